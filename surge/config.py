@@ -1,0 +1,211 @@
+"""Frozen engine configuration: model, cache, scheduler, parallel; validated with errors that name the field.
+
+`EngineConfig.create(...)` is the one place user-facing keyword arguments become configs.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU, bfloat16 on GPU."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype={dtype} is not supported; choose one of auto, {', '.join(_DTYPES)}")
+        return dtype
+    name = _DTYPE_ALIASES.get(dtype, dtype)
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # an HF-format directory
+    hf_config: dict = field(repr=False, hash=False, compare=False)
+    dtype: torch.dtype
+    architecture: str
+    max_model_len: int
+    # Per-layer attention kind: "full_attention" or "sliding_attention".
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config["num_hidden_layers"]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.hf_config.get("num_key_value_heads") or self.hf_config["num_attention_heads"]
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config["vocab_size"]
+
+    @staticmethod
+    def from_path(model: str | Path, dtype: str | torch.dtype, device: torch.device,
+                  max_model_len: int | None = None) -> ModelConfig:
+        path = Path(model)
+        if not path.is_dir():
+            raise ValueError(f"model={str(model)!r}: not a directory; expected an HF-format model directory "
+                             "(config.json, *.safetensors, tokenizer files). Models are never fetched from a hub.")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model={str(model)!r}: config.json is missing")
+        try:
+            cfg = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model={str(model)!r}: config.json is not valid JSON ({e})") from None
+        if not any(path.glob("*.safetensors")):
+            raise ValueError(f"model={str(model)!r}: no *.safetensors weight files found")
+        archs = cfg.get("architectures") or []
+        supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+        if not supported:
+            raise ValueError(f"model={str(model)!r}: architecture {archs or '(none given)'} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+            if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+                raise ValueError(f"model={str(model)!r}: config.json field {key!r} must be a positive integer, "
+                                 f"got {cfg.get(key)!r}")
+        num_layers = cfg["num_hidden_layers"]
+        sliding_window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
+        if len(layer_types) != num_layers:
+            raise ValueError(f"model={str(model)!r}: layer_types has {len(layer_types)} entries but "
+                             f"num_hidden_layers is {num_layers}")
+        for t in layer_types:
+            if t not in ("full_attention", "sliding_attention"):
+                raise ValueError(f"model={str(model)!r}: layer type {t!r} is not supported; "
+                                 "supported: full_attention, sliding_attention")
+        if sliding_window is None:  # as in HF: without a window, "sliding" layers attend to everything
+            layer_types = ["full_attention"] * num_layers
+        elif not (isinstance(sliding_window, int) and sliding_window > 0):
+            raise ValueError(f"model={str(model)!r}: sliding_window must be a positive integer, got {sliding_window!r}")
+        if "sliding_attention" not in layer_types:
+            sliding_window = None
+        model_max = cfg.get("max_position_embeddings") or 4096
+        if max_model_len is None:
+            max_model_len = model_max
+        elif not (isinstance(max_model_len, int) and 1 <= max_model_len):
+            raise ValueError(f"max_model_len={max_model_len!r} must be a positive integer")
+        eos = _eos_token_ids(path, cfg)
+        return ModelConfig(model=str(path), hf_config=cfg, dtype=resolve_dtype(dtype, device),
+                           architecture=supported[0], max_model_len=max_model_len,
+                           layer_types=tuple(layer_types), sliding_window=sliding_window, eos_token_ids=eos)
+
+
+def _eos_token_ids(path: Path, cfg: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources = [cfg]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        sources.insert(0, json.loads(gen.read_text()))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for e in (eos if isinstance(eos, list) else [eos]):
+            if isinstance(e, int) and e not in ids:
+                ids.append(e)
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes; overrides the fraction when given
+    memory_fraction: float = 0.9  # of free memory (GPU) or of available RAM (CPU), after the weights
+    num_gpu_blocks_override: int | None = None  # for tests: exact number of blocks per group
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.block_size, int) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128)):
+            raise ValueError(f"block_size={self.block_size!r} must be a power of two in [1, 128]")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} must be a positive number of bytes")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction={self.memory_fraction!r} must be in (0, 1]")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(f"num_gpu_blocks_override={self.num_gpu_blocks_override!r} must be >= 2")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len="
+                             f"{self.max_model_len} when chunked prefill is disabled")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: only 1 is supported so far")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device: torch.device
+    seed: int = 0
+
+    @staticmethod
+    def create(model: str | Path | None = None, *, dtype: str = "auto", device: str | None = None,
+               max_model_len: int | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
+               kv_cache_memory: int | None = None, memory_fraction: float = 0.9,
+               num_gpu_blocks_override: int | None = None, max_num_batched_tokens: int | None = None,
+               max_num_seqs: int = 128, enable_chunked_prefill: bool = True, tensor_parallel_size: int = 1,
+               seed: int = 0) -> EngineConfig:
+        if model is None:
+            from surge.model.loader.default_model import default_model_path
+            model = default_model_path()
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device={device!r} is not a valid torch device (try 'cpu' or 'cuda')") from None
+        model_config = ModelConfig.from_path(model, dtype, dev, max_model_len)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, model_config.max_model_len)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                                     kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction,
+                                     num_gpu_blocks_override=num_gpu_blocks_override),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                             max_num_seqs=max_num_seqs, max_model_len=model_config.max_model_len,
+                                             enable_chunked_prefill=enable_chunked_prefill),
+            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            device=dev,
+            seed=seed,
+        )

@@ -1,0 +1,108 @@
+"""KV cache specs and groups: one group per attention kind, each spec declaring what consumers may do with it.
+
+Consumers select groups by declared capability (`prefix_cacheable`, `transferable`), never by class name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of one layer: keys and values."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Blocks hold stable per-position data that a later request with the same prefix may reuse."""
+        raise NotImplementedError
+
+    @property
+    def transferable(self) -> bool:
+        """Blocks may be sent to another instance (prefill -> decode)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(KVCacheSpec):
+    @property
+    def prefix_cacheable(self) -> bool:
+        return True
+
+    @property
+    def transferable(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(KVCacheSpec):
+    sliding_window: int = 0  # a token attends to itself and the sliding_window - 1 tokens before it
+
+    def __post_init__(self) -> None:
+        if self.sliding_window <= 0:
+            raise ValueError(f"sliding_window={self.sliding_window} must be positive")
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return True
+
+    @property
+    def transferable(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    group_id: int
+    spec: KVCacheSpec
+    layer_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    groups: tuple[KVCacheGroup, ...]
+    num_blocks: int  # per group, the null block (id 0) included
+
+    @property
+    def prefix_cacheable_group_ids(self) -> tuple[int, ...]:
+        return tuple(g.group_id for g in self.groups if g.spec.prefix_cacheable)
+
+    @property
+    def transferable_group_ids(self) -> tuple[int, ...]:
+        return tuple(g.group_id for g in self.groups if g.spec.transferable)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id costs across every group and layer."""
+        return sum(g.spec.page_size_bytes * len(g.layer_ids) for g in self.groups)
+
+    def group_of_layer(self, layer_id: int) -> KVCacheGroup:
+        for g in self.groups:
+            if layer_id in g.layer_ids:
+                return g
+        raise KeyError(layer_id)
+
+
+def build_kv_cache_groups(layer_types: tuple[str, ...], sliding_window: int | None, block_size: int,
+                          num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[KVCacheGroup, ...]:
+    """One group per attention kind present in the model, in order of first appearance."""
+    specs: dict[str, KVCacheSpec] = {}
+    layers: dict[str, list[int]] = {}
+    for layer_id, kind in enumerate(layer_types):
+        if kind not in specs:
+            if kind == "sliding_attention":
+                specs[kind] = SlidingWindowSpec(block_size, num_kv_heads, head_dim, dtype, sliding_window=sliding_window)
+            else:
+                specs[kind] = FullAttentionSpec(block_size, num_kv_heads, head_dim, dtype)
+            layers[kind] = []
+        layers[kind].append(layer_id)
+    return tuple(KVCacheGroup(i, specs[k], tuple(layers[k])) for i, k in enumerate(specs))

@@ -1,0 +1,91 @@
+"""EngineCore: the busy loop's body. Each step schedules, executes the model and updates request state,
+returning per-request outputs (token ids and logprobs; text is the front end's job).
+
+`surge.LLM` drives it in-process; the server will drive the same class in its own process over ZMQ.
+"""
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from surge.config import EngineConfig
+from surge.core.kv_cache.manager import KVCacheManager
+from surge.core.scheduler import Scheduler
+from surge.engine.request import Request, RequestStatus
+from surge.logger import init_logger
+from surge.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    # Per new token: (ids, logprobs, sampled rank); ids[0] is the sampled token.
+    logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # (first prompt position, ids, logprobs, ranks) for the prompt positions computed this step.
+    prompt_logprobs: tuple[int, list[list[int]], list[list[float]], list[int]] | None = None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config)
+        self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config,
+                                               config.cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        kvc = self.runner.kv_cache_config
+        self.max_tokens_in_kv = (kvc.num_blocks - 1) * config.cache_config.block_size
+
+    def add_request(self, request: Request) -> None:
+        max_len = self.config.scheduler_config.max_model_len
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if request.num_prompt_tokens >= max_len:
+            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, which leaves no room to generate "
+                             f"within max_model_len={max_len}")
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        for rid in request_ids:
+            self.scheduler.finish_request(rid, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("the scheduler could not schedule any waiting request; the KV cache is too small")
+            return []
+        result = self.runner.execute(sched_out)
+        progressed = {r.request_id for r in self.scheduler.update_from_output(sched_out, result.sampled)}
+        outputs = []
+        for s in sched_out.scheduled:
+            req = s.request
+            rid = req.request_id
+            prompt_lp = result.prompt_logprobs.get(rid)
+            if rid not in progressed and prompt_lp is None:
+                continue
+            lp = result.logprobs.get(rid)
+            outputs.append(EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=[req.token_ids[-1]] if rid in progressed else [],
+                finish_reason=req.status.value if req.is_finished else None,
+                stop_reason=req.stop_reason,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+                logprobs=[lp] if lp is not None else None,
+                prompt_logprobs=prompt_lp))
+        return outputs

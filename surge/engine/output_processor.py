@@ -1,0 +1,130 @@
+"""OutputProcessor: the front end's view of requests. Turns EngineCoreOutputs into RequestOutputs: detokenizes
+incrementally, finds stop strings, builds logprob dicts, and gathers the n samples of a request together.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from surge.engine.core import EngineCoreOutput
+from surge.engine.detokenizer import IncrementalDetokenizer, decode_token
+from surge.outputs import CompletionOutput, Logprob, RequestOutput
+from surge.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleState:
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: dict[str, SampleState]  # child request id -> state
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    children: list[tuple[str, SamplingParams]]) -> None:
+        samples = {}
+        for index, (child_id, params) in enumerate(children):
+            samples[child_id] = SampleState(index, params,
+                                            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                                            logprobs=[] if params.logprobs is not None else None,
+                                            cumulative_logprob=0.0 if params.logprobs is not None else None)
+            self.child_to_parent[child_id] = request_id
+        want_prompt_lp = children[0][1].prompt_logprobs is not None
+        self.parents[request_id] = ParentState(request_id, prompt, list(prompt_token_ids), samples,
+                                               prompt_logprobs=[None] if want_prompt_lp else None)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated RequestOutputs and the child ids the core must stop (a stop string matched)."""
+        touched: dict[str, ParentState] = {}
+        to_stop = []
+        for o in outputs:
+            parent_id = self.child_to_parent.get(o.request_id)
+            if parent_id is None:
+                continue  # aborted meanwhile
+            parent = self.parents[parent_id]
+            sample = parent.samples[o.request_id]
+            parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
+            if o.prompt_logprobs is not None and parent.prompt_logprobs is not None and sample.index == 0:
+                self._add_prompt_logprobs(parent, o.prompt_logprobs)
+            if o.new_token_ids:
+                sample.token_ids.extend(o.new_token_ids)
+                if o.logprobs is not None and sample.logprobs is not None:
+                    for ids, lps, rank in o.logprobs:
+                        sample.logprobs.append(self._logprob_dict(ids, lps, rank))
+                        sample.cumulative_logprob += lps[0]
+                stop_str = sample.detokenizer.update(o.new_token_ids)
+                if stop_str is not None and o.finish_reason is None:
+                    sample.finish_reason, sample.stop_reason = "stop", stop_str
+                    to_stop.append(o.request_id)
+            if o.finish_reason is not None and sample.finish_reason is None:
+                sample.finish_reason, sample.stop_reason = o.finish_reason, o.stop_reason
+            touched[parent_id] = parent
+        results = [self._make_output(p) for p in touched.values()]
+        for p in touched.values():
+            if p.finished:
+                self._forget(p)
+        return results, to_stop
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a parent request; returns its child ids for the core to abort."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return []
+        self._forget(parent)
+        return list(parent.samples)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    def _forget(self, parent: ParentState) -> None:
+        self.parents.pop(parent.request_id, None)
+        for child_id in parent.samples:
+            self.child_to_parent.pop(child_id, None)
+
+    def _logprob_dict(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
+        d = {ids[0]: Logprob(lps[0], rank, decode_token(self.tokenizer, ids[0]))}
+        for r, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+            if tid not in d:
+                d[tid] = Logprob(lp, r, decode_token(self.tokenizer, tid))
+        return d
+
+    def _add_prompt_logprobs(self, parent: ParentState, data) -> None:
+        first, ids, lps, ranks = data
+        assert len(parent.prompt_logprobs) == first + 1, "prompt logprobs arrive in order"
+        for row_ids, row_lps, rank in zip(ids, lps, ranks):
+            parent.prompt_logprobs.append(self._logprob_dict(row_ids, row_lps, rank))
+
+    def _make_output(self, parent: ParentState) -> RequestOutput:
+        outs = []
+        for s in sorted(parent.samples.values(), key=lambda s: s.index):
+            outs.append(CompletionOutput(
+                index=s.index, text=s.detokenizer.output_text, token_ids=list(s.token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
+                             prompt_token_ids=parent.prompt_token_ids, outputs=outs, finished=parent.finished,
+                             prompt_logprobs=parent.prompt_logprobs, num_cached_tokens=parent.num_cached_tokens)

@@ -1,0 +1,78 @@
+"""Request: one sequence's state as the engine core sees it (tokens, progress, status, sampling RNG).
+
+`n > 1` is fanned out by the front end into independent requests before they get here.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from surge.core.kv_cache.hashing import hash_block_tokens
+from surge.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
+                 device: torch.device | None = None, arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache at first scheduling
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.block_size = block_size
+        self.block_hashes: list[bytes] = []
+        self._update_block_hashes()
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator(device=device or "cpu")
+            self.generator.manual_seed(params.seed)
+        # Prompt positions whose logprobs were already returned (prompt logprobs are computed once).
+        self.num_prompt_logprobs_done = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        """Hash every newly completed block; each hash chains its parent's."""
+        bs = self.block_size
+        for i in range(len(self.block_hashes), len(self.token_ids) // bs):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block_tokens(parent, self.token_ids[i * bs:(i + 1) * bs]))

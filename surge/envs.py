@@ -1,0 +1,34 @@
+"""Every environment variable Surge reads, typed and documented in one place.
+
+Read lazily (module attribute access) so tests can set them with monkeypatch.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _cache_dir() -> Path:
+    """SURGE_CACHE_DIR: where converted models (the default model) live. Default ~/.cache/surge."""
+    return Path(os.environ.get("SURGE_CACHE_DIR", "~/.cache/surge")).expanduser()
+
+
+def _log_level() -> str:
+    """SURGE_LOG_LEVEL: logging level name for the `surge` logger. Default INFO."""
+    return os.environ.get("SURGE_LOG_LEVEL", "INFO").upper()
+
+
+_GETTERS = {
+    "SURGE_CACHE_DIR": _cache_dir,
+    "SURGE_LOG_LEVEL": _log_level,
+}
+
+
+def __getattr__(name: str):
+    if name in _GETTERS:
+        return _GETTERS[name]()
+    raise AttributeError(f"surge.envs has no variable {name!r}; known: {sorted(_GETTERS)}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_GETTERS)

@@ -1,0 +1,157 @@
+"""Sampler: turns one step's logits [n, V] into one token per request, honouring each request's SamplingParams.
+
+min_tokens → penalties → argmax | temperature, top-k, top-p, min-p, exponential race; logprobs use raw logits.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from surge.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits batch: one request that needs a token this step."""
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated so far (penalties, min_tokens)
+    generator: torch.Generator | None = None  # per-request RNG seeded from params.seed; None: the global RNG
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [n] int64
+    # Only when some row asked for logprobs, from the raw logits; column 0 is the sampled token, then the top max_N.
+    logprob_token_ids: torch.Tensor | None = None  # [n, 1 + max_N] int64
+    logprobs: torch.Tensor | None = None  # [n, 1 + max_N] float32
+    sampled_token_ranks: torch.Tensor | None = None  # [n] int64, 1-based rank of the sampled token
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        raw = logits.float()
+        logits = logits.to(torch.float32, copy=True)  # never touch the caller's tensor: raw logprobs need it
+        _apply_min_tokens(logits, rows)
+        _apply_penalties(logits, rows)
+        sampled = logits.argmax(dim=-1)  # greedy; ties go to the lowest id
+        greedy = [r.params.greedy for r in rows]
+        if not all(greedy):
+            is_greedy = torch.tensor(greedy, device=logits.device)
+            sampled = torch.where(is_greedy, sampled, _sample(logits, rows))
+        max_n = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+        if max_n is None:
+            return SamplerOutput(sampled)
+        ids, logprobs, ranks = compute_token_logprobs(raw, sampled, max_n)
+        return SamplerOutput(sampled, ids, logprobs, ranks)
+
+
+def compute_token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
+                           num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probs of target_ids [m] under logits [m, V], plus the top num_top per row.
+
+    Returns ids [m, 1 + num_top] (column 0 the target), logprobs [m, 1 + num_top] and the target's 1-based rank [m];
+    tokens tied with the target do not push its rank down (vLLM's convention).
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target_ids = target_ids.long()[:, None]
+    target_logprobs = logprobs.gather(1, target_ids)
+    ranks = (logprobs > target_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    return (torch.cat([target_ids, top_ids], dim=1), torch.cat([target_logprobs, top_logprobs], dim=1), ranks)
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab_size = logits.shape[1]
+    masked = [(i, t) for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens
+              for t in r.params.all_stop_token_ids if t < vocab_size]
+    if masked:
+        row_idx, token_idx = torch.tensor(masked, device=logits.device).T
+        logits[row_idx, token_idx] = float("-inf")
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[n, V] float32 occurrence counts, built with one scatter rather than a loop over tokens."""
+    counts = torch.zeros(len(token_lists), vocab_size, device=device)
+    token_ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=device)
+    if token_ids.numel():
+        lengths = torch.tensor([len(t) for t in token_lists], device=device)
+        row_idx = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+        counts.index_put_((row_idx, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    params = [r.params for r in rows]
+    repetition = [p.repetition_penalty for p in params]
+    frequency = [p.frequency_penalty for p in params]
+    presence = [p.presence_penalty for p in params]
+    if all(r == 1.0 for r in repetition) and not any(frequency) and not any(presence):
+        return
+    n, vocab_size = logits.shape
+    device = logits.device
+    # Rows without penalties contribute no tokens, so their logits come through unchanged.
+    output_counts = _token_counts(
+        [r.output_token_ids if (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty) else []
+         for r, p in zip(rows, params)], vocab_size, device)
+    if any(r != 1.0 for r in repetition):
+        prompt_counts = _token_counts(
+            [r.prompt_token_ids if p.repetition_penalty != 1.0 else [] for r, p in zip(rows, params)],
+            vocab_size, device)
+        penalty = torch.tensor(repetition, device=device)[:, None]
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where((prompt_counts + output_counts) > 0, penalized, logits))
+    frequency_t = torch.tensor(frequency, device=device)[:, None]
+    presence_t = torch.tensor(presence, device=device)[:, None]
+    logits -= frequency_t * output_counts + presence_t * (output_counts > 0).float()
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Random draw for every row (greedy rows get a meaningless token that the caller discards)."""
+    params = [r.params for r in rows]
+    vocab_size = logits.shape[1]
+    device = logits.device
+    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    logits = logits / temperature[:, None]
+    top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _apply_top_k_top_p(logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        logits.masked_fill_(probs < threshold, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return probs.div_(_exponential_noise(rows, vocab_size, device)).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Masks to -inf what top-k (ties with the k-th kept, as in HF) and then top-p drop; one sort for both."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    kth_largest = sorted_logits.gather(1, (top_k - 1)[:, None])
+    sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # 0 for the most likely token, so at least one always survives
+    # top_p == 1 must keep everything even when rounding pushes the cumulative sum to 1 before the tail.
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def _exponential_noise(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """q ~ Exp(1) per row: seeded rows draw only from their own generator, so the batch cannot change their tokens."""
+    noise = torch.ones(len(rows), vocab_size, device=device)
+    shared = [i for i, r in enumerate(rows) if r.generator is None and not r.params.greedy]
+    if len(shared) == len(rows):
+        noise.exponential_()
+    elif shared:
+        noise[shared] = torch.empty(len(shared), vocab_size, device=device).exponential_()
+    for i, r in enumerate(rows):
+        if r.generator is not None and not r.params.greedy:
+            noise[i].exponential_(generator=r.generator)
+    # A zero draw would turn probs / q into inf or nan and pick a masked token.
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)

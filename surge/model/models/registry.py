@@ -1,0 +1,18 @@
+"""Architecture name (config.json `architectures`) -> model class."""
+from __future__ import annotations
+
+from torch import nn
+
+from surge.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in MODEL_REGISTRY:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: {', '.join(MODEL_REGISTRY)}")
+    return MODEL_REGISTRY[architecture]

@@ -1,0 +1,87 @@
+"""SamplingParams: what a request asks of the sampler and the output processor, validated on construction.
+
+Field names and meanings follow vLLM's, so users can bring their code unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+_MAX_LOGPROBS = 20
+
+
+def _check(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {allowed}")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Filled by the engine from the model's generation config; not for users.
+    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
+               "must be an integer >= 1, or 0 / -1 to disable")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
+               "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
+               "must be in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be > 0")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               "max_tokens", self.max_tokens, "must be an integer >= 1, or None")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
+               "must be an integer >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+               f"must be <= max_tokens ({self.max_tokens})")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer or None")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "must be a non-empty string or a list of non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               self.stop_token_ids, "must be a list of non-negative token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and 0 <= value <= _MAX_LOGPROBS), name, value,
+                   f"must be an integer in [0, {_MAX_LOGPROBS}], or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(self._eos_token_ids)
+        return ids
+
+    def clone(self, **overrides) -> SamplingParams:
+        return dataclasses.replace(self, **overrides)

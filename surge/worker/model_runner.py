@@ -1,0 +1,191 @@
+"""ModelRunner: owns the model and its KV cache on one device; turns a SchedulerOutput into input tensors,
+attention metadata and logits, and samples.
+
+KV memory is sized from a budget: `kv_cache_memory` bytes, or a fraction of the memory free after the weights.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from surge.attention.backend import AttentionMetadata, default_backend_name, get_backend
+from surge.config import EngineConfig
+from surge.core.kv_cache.spec import KVCacheConfig, build_kv_cache_groups
+from surge.core.scheduler import SchedulerOutput
+from surge.logger import init_logger
+from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs
+from surge.model.loader.safetensors_loader import build_model, load_weights
+import surge.attention.torch_backend  # noqa: F401  (registers the backend)
+
+logger = init_logger(__name__)
+
+_CPU_DEFAULT_KV_BYTES = 4 << 30  # the CPU shares memory with everything else: a modest default
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    # request id -> (token ids, logprobs, rank of the sampled token); column 0 is the sampled token.
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # request id -> (first prompt position covered, ids [m, 1+N], logprobs [m, 1+N], ranks [m]); row j scores
+    # prompt token (first + j + 1) given the tokens before it.
+    prompt_logprobs: dict[str, tuple[int, list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device
+        mc = config.model_config
+        start = time.perf_counter()
+        self.model = build_model(mc, self.device)
+        load_weights(self.model, mc.model)
+        logger.info("loaded %s (%s, %s) in %.2f s", mc.architecture, mc.dtype, self.device,
+                    time.perf_counter() - start)
+        self.sampler = Sampler()
+        self.backend = get_backend(default_backend_name(self.device))
+        self.kv_cache_config = self._size_kv_cache()
+        self._allocate_kv_cache()
+
+    def _size_kv_cache(self) -> KVCacheConfig:
+        mc, cc = self.config.model_config, self.config.cache_config
+        groups = build_kv_cache_groups(mc.layer_types, mc.sliding_window, cc.block_size, mc.num_kv_heads,
+                                       mc.head_dim, mc.dtype)
+        probe = KVCacheConfig(groups, num_blocks=2)
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        else:
+            if cc.kv_cache_memory is not None:
+                budget = cc.kv_cache_memory
+            else:
+                budget = int(available_memory(self.device) * cc.memory_fraction)
+                if self.device.type == "cpu":
+                    budget = min(budget, _CPU_DEFAULT_KV_BYTES)
+            num_blocks = budget // probe.bytes_per_block + 1  # + the null block
+        capacity = (num_blocks - 1) * cc.block_size
+        if capacity < mc.max_model_len:
+            raise ValueError(
+                f"the KV cache budget holds {capacity} tokens ({num_blocks - 1} blocks of {cc.block_size}, "
+                f"{probe.bytes_per_block} bytes each), fewer than max_model_len={mc.max_model_len}; "
+                "raise kv_cache_memory / memory_fraction or lower max_model_len")
+        logger.info("KV cache: %d blocks x %d tokens per group, %d group(s), %.1f MiB", num_blocks - 1,
+                    cc.block_size, len(groups), num_blocks * probe.bytes_per_block / 2**20)
+        return KVCacheConfig(groups, num_blocks)
+
+    def _allocate_kv_cache(self) -> None:
+        mc, kvc = self.config.model_config, self.kv_cache_config
+        self.kv_caches: list[torch.Tensor] = []
+        for layer_id, attn in enumerate(self.model.attention_layers()):
+            group = kvc.group_of_layer(layer_id)
+            spec = group.spec
+            cache = torch.zeros(2, kvc.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                                dtype=mc.dtype, device=self.device) if self.device.type != "cpu" else \
+                torch.empty(2, kvc.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, dtype=mc.dtype)
+            attn.kv_cache, attn.group_id, attn.backend = cache, group.group_id, self.backend
+            self.kv_caches.append(cache)
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        dev = self.device
+        block_size = self.config.cache_config.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_start_loc = [0]
+        seq_lens = []
+        for s in out.scheduled:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            token_ids.extend(s.request.token_ids[start:end])
+            positions.extend(range(start, end))
+            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+        num_reqs = len(out.scheduled)
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        req_of_token = torch.repeat_interleave(torch.arange(num_reqs),
+                                               torch.tensor([s.num_new_tokens for s in out.scheduled]))
+        slot_mappings, block_tables = [], []
+        for g in range(len(self.kv_cache_config.groups)):
+            rows = [s.block_ids[g] for s in out.scheduled]
+            width = max(len(r) for r in rows)
+            table = torch.zeros(num_reqs, width, dtype=torch.int32)
+            for i, r in enumerate(rows):
+                table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+            slots = table[req_of_token, pos_t // block_size].long() * block_size + pos_t % block_size
+            slot_mappings.append(slots.to(dev, non_blocking=True))
+            block_tables.append(table.to(dev, non_blocking=True))
+        meta = AttentionMetadata(
+            num_reqs=num_reqs, num_tokens=len(token_ids), query_start_loc=query_start_loc, seq_lens=seq_lens,
+            max_query_len=max(s.num_new_tokens for s in out.scheduled), max_seq_len=max(seq_lens),
+            slot_mapping=slot_mappings, block_tables=block_tables,
+            query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=dev))
+        return torch.tensor(token_ids, dtype=torch.int64, device=dev), pos_t.to(dev), meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
+        if out.is_empty:
+            return result
+        input_ids, positions, meta = self._prepare(out)
+        hidden = self.model(input_ids, positions, meta)
+
+        # Rows that need logits: the last position of each sampling request, then prompt-logprob positions.
+        sample_idx, rows = [], []
+        prompt_rows: list[tuple[str, int, list[int], list[int]]] = []  # (req id, first pos, hidden rows, targets)
+        for i, s in enumerate(out.scheduled):
+            req = s.request
+            start = meta.query_start_loc[i]
+            if s.samples:
+                sample_idx.append(meta.query_start_loc[i + 1] - 1)
+                rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator))
+            if req.params.prompt_logprobs is not None:
+                lo = max(s.num_computed_tokens, req.num_prompt_logprobs_done)
+                hi = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+                if hi > lo:
+                    prompt_rows.append((req.request_id, lo,
+                                        [start + p - s.num_computed_tokens for p in range(lo, hi)],
+                                        req.prompt_token_ids[lo + 1:hi + 1]))
+                    req.num_prompt_logprobs_done = hi
+        if sample_idx:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)]).float()
+            sampler_out = self.sampler(logits, rows)
+            sampled = sampler_out.sampled_token_ids.tolist()
+            has_lp = sampler_out.logprobs is not None
+            if has_lp:
+                lp_ids = sampler_out.logprob_token_ids.tolist()
+                lps = sampler_out.logprobs.tolist()
+                ranks = sampler_out.sampled_token_ranks.tolist()
+            j = 0
+            for s in out.scheduled:
+                if not s.samples:
+                    continue
+                rid = s.request.request_id
+                result.sampled[rid] = sampled[j]
+                num = s.request.params.logprobs
+                if has_lp and num is not None:
+                    result.logprobs[rid] = (lp_ids[j][:1 + num], lps[j][:1 + num], ranks[j])
+                j += 1
+        for rid, first, idx, targets in prompt_rows:
+            num = out_params_prompt_logprobs(out, rid)
+            logits = self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)]).float()
+            ids, lps, ranks = compute_token_logprobs(logits, torch.tensor(targets, device=self.device), num)
+            result.prompt_logprobs[rid] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
+        return result
+
+
+def out_params_prompt_logprobs(out: SchedulerOutput, request_id: str) -> int:
+    for s in out.scheduled:
+        if s.request.request_id == request_id:
+            return s.request.params.prompt_logprobs
+    raise KeyError(request_id)

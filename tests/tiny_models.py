@@ -1,0 +1,55 @@
+"""Tiny random-weight HF models (Llama, Qwen3, hybrid Qwen3) saved as HF directories, for fast tests.
+
+Built with transformers itself from a config, so the weights and the reference forward pass are HF's own.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+
+VOCAB = 256
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
+def tiny_config(kind: str):
+    if kind == "llama":
+        return LlamaConfig(**_COMMON, rope_theta=10000.0)
+    if kind == "llama-tied":
+        return LlamaConfig(**{**_COMMON, "tie_word_embeddings": True})
+    if kind == "qwen3":
+        return Qwen3Config(**_COMMON, rope_theta=1000000.0)
+    if kind == "qwen3-hybrid":
+        return Qwen3Config(**_COMMON, rope_theta=1000000.0, use_sliding_window=True, sliding_window=12,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    raise ValueError(kind)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer over the 256-token vocabulary (ids 0-2 double as unk/bos/eos)."""
+    vocab = {f"<{i}>": i for i in range(VOCAB)}
+    for i, b in enumerate(range(32, 127)):
+        vocab.pop(f"<{b}>")
+        vocab[chr(b)] = b
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>", bos_token="<1>", eos_token="<2>")
+
+
+def make_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    # HF initializes norms to 1; randomize them so a wrong norm placement cannot hide.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
