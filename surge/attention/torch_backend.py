@@ -40,6 +40,8 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
             k_pos = torch.arange(seq_len, device=q.device)
             mask = _mask(q_pos[:, None], k_pos[None, :], sliding_window)
+            if sliding_window is not None:  # blocks out of the window may be null or reused: hide their contents
+                keys, values = _zero_unused(keys, values, mask.any(0))
             out[start:end] = _sdpa(q[start:end].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                    mask, scale).squeeze(0)
         return out
@@ -56,6 +58,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_pos = torch.arange(max_len, device=q.device)[None, :]
         q_pos = (seq_lens - 1)[:, None]
         mask = _mask(q_pos, k_pos, sliding_window) & (k_pos < seq_lens[:, None])  # [R, L]
+        keys, values = _zero_unused(keys, values, mask)
         token_idx = torch.tensor([meta.query_start_loc[r] for r in rows], device=q.device)
         res = _sdpa(q[token_idx].unsqueeze(1), keys, values, mask.unsqueeze(1), scale)  # [R, 1, Hq, D]
         out[token_idx] = res.squeeze(1)
@@ -67,6 +70,12 @@ def _gather(k_cache, v_cache, table_row, seq_len):
     keys = k_cache[blocks].flatten(0, 1)[:seq_len]
     values = v_cache[blocks].flatten(0, 1)[:seq_len]
     return keys, values
+
+
+def _zero_unused(keys, values, used):
+    """Masked-out slots can hold anything, NaN included, and softmax weight 0 times NaN is NaN."""
+    used = used[..., None, None]
+    return torch.where(used, keys, 0.0), torch.where(used, values, 0.0)
 
 
 def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:

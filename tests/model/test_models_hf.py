@@ -1,0 +1,81 @@
+"""Tiny random Llama, Qwen3 and hybrid Qwen3: Surge's logits equal HF transformers' at prefill and at every decode
+step, with prompts longer than a block and than the sliding window, batched, and with prefill split into chunks."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from surge import LLM, SamplingParams
+from tiny_models import make_tiny_model
+
+KINDS = ["llama", "llama-tied", "qwen3", "qwen3-hybrid"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def tiny(request, tmp_path_factory):
+    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _record_logits(llm: LLM) -> list[tuple[str, int, torch.Tensor]]:
+    """Wrap the runner so every sampled row's logits are recorded with (request id, position of the row)."""
+    runner = llm.engine.runner
+    records: list[tuple[str, int, torch.Tensor]] = []
+    execute, compute_logits = runner.execute, runner.model.compute_logits
+    pending: list[tuple[str, int]] = []
+
+    def wrapped_execute(out):
+        pending[:] = [(s.request.request_id, s.num_computed_tokens + s.num_new_tokens - 1)
+                      for s in out.scheduled if s.samples]
+        return execute(out)
+
+    def wrapped_logits(hidden):
+        logits = compute_logits(hidden)
+        if pending and logits.shape[0] == len(pending):
+            records.extend((rid, pos, row.clone()) for (rid, pos), row in zip(pending, logits))
+            pending.clear()
+        return logits
+
+    runner.execute, runner.model.compute_logits = wrapped_execute, wrapped_logits
+    return records
+
+
+@pytest.mark.parametrize("budget", [4096, 7])
+def test_logits_match_hf_every_step(tiny, budget):
+    kind, path, hf = tiny
+    llm = LLM(path, block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=budget, max_model_len=256)
+    records = _record_logits(llm)
+    g = torch.Generator().manual_seed(0)
+    # Longer than a block (4) and than the sliding window (12) of the hybrid model.
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 13, 29, 40)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    ids_by_rid = {o.request_id: p + o.outputs[0].token_ids for p, o in zip(prompts, outs)}
+    assert len(records) == 24 * len(prompts)
+    with torch.no_grad():
+        ref = {rid: hf(torch.tensor([ids])).logits[0] for rid, ids in ids_by_rid.items()}
+    for rid, pos, row in records:
+        torch.testing.assert_close(row, ref[rid][pos], atol=2e-4, rtol=2e-4, msg=f"{kind} request {rid} pos {pos}")
+    for p, o in zip(prompts, outs):  # greedy tokens are the argmax of HF's logits
+        rid = o.request_id
+        assert o.outputs[0].token_ids == ref[rid][len(p) - 1:-1].argmax(-1).tolist()
+
+
+def test_prompt_logprobs_match_hf(tiny):
+    kind, path, hf = tiny
+    llm = LLM(path, block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=8, max_model_len=256)
+    prompt = list(range(40, 70))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, logprobs=2),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + out.outputs[0].token_ids])).logits[0].float(), -1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        entry = out.prompt_logprobs[i]
+        assert entry[prompt[i]].logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
+        top = ref[i - 1].topk(3).indices.tolist()
+        assert set(top) <= set(entry)
+    for j, entry in enumerate(out.outputs[0].logprobs):
+        tok = out.outputs[0].token_ids[j]
+        assert entry[tok].logprob == pytest.approx(ref[len(prompt) - 1 + j, tok].item(), abs=1e-4)
+        assert entry[tok].rank == 1  # greedy picks the top token
