@@ -1,0 +1,59 @@
+"""Command-line flags shared by every subcommand: engine options and sampling options, mapped onto
+EngineConfig.create keyword arguments and SamplingParams."""
+from __future__ import annotations
+
+import argparse
+
+from surge.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    if model_positional:
+        p.add_argument("model", nargs="?", default=None, help="HF-format model directory (default: the embedded "
+                       "SmolLM2-135M-Instruct)")
+    else:
+        p.add_argument("--model", default=None, help="HF-format model directory (default: the embedded "
+                       "SmolLM2-135M-Instruct)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
+    g.add_argument("--memory-fraction", type=float, default=0.9, help="share of free memory for the KV cache")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--engine-seed", type=int, default=0, help="seed of the global RNG")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                kv_cache_memory=args.kv_cache_memory, memory_fraction=args.memory_fraction,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                seed=args.engine_seed)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("-n", "--n", type=int, default=1, help="samples per prompt")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty, stop=args.stop, ignore_eos=args.ignore_eos)

@@ -1,0 +1,115 @@
+"""The `surge` command: generate, chat, model-path, bench.
+
+Heavy imports (torch, transformers) happen inside the subcommands, so `surge --help` answers at once.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from surge.entrypoints.cli.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+
+
+def cmd_model_path(args: argparse.Namespace) -> int:
+    from surge.model.loader.default_model import default_model_path
+    print(default_model_path())
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from surge import LLM
+    params = sampling_params(args)
+    llm = LLM(**engine_kwargs(args))
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("surge generate: give at least one prompt (argument or stdin)", file=sys.stderr)
+        return 2
+    for out in llm.generate(prompts, params):
+        for c in out.outputs:
+            prefix = f"[{out.request_id}.{c.index}] " if len(prompts) > 1 or len(out.outputs) > 1 else ""
+            print(f"{prefix}{c.text}")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from surge import LLM
+    params = sampling_params(args)
+    llm = LLM(**engine_kwargs(args))
+    conversation = [{"role": "system", "content": args.system}] if args.system else []
+
+    def reply(text: str) -> str:
+        conversation.append({"role": "user", "content": text})
+        answer = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].text
+        conversation.append({"role": "assistant", "content": answer})
+        return answer
+
+    if args.message:
+        print(reply(args.message))
+        return 0
+    print("surge chat: type a message, an empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            text = input("> ")
+        except EOFError:
+            break
+        if not text.strip():
+            break
+        print(reply(text))
+    return 0
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from surge.bench.throughput import run_throughput
+    run_throughput(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="surge", description="Surge: a compact, fast LLM inference engine")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command")
+
+    p = sub.add_parser("model-path", help="print the default model's directory (preparing it if needed)")
+    p.set_defaults(func=cmd_model_path)
+
+    p = sub.add_parser("generate", help="complete prompts")
+    p.add_argument("prompt", nargs="*", help="prompts (default: one per line on stdin)")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat with the model: interactive, or one-shot with a message")
+    p.add_argument("message", nargs="?", default=None, help="one message to answer, then exit")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    from surge.bench.throughput import add_throughput_args
+    p = bench.add_parser("throughput", help="offline throughput on random-token prompts")
+    add_engine_args(p)
+    add_throughput_args(p)
+    p.set_defaults(func=cmd_bench_throughput)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from surge.version import __version__
+        print(__version__)
+        return 0
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"surge {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
