@@ -64,7 +64,8 @@ def run_throughput(args: argparse.Namespace) -> None:
           f"{len(workload)} prompts, input {args.input_len}, output {args.output_len}, range {args.range_ratio}")
     llm.generate([p[:8] for p, _ in workload[:2]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in workload]
+    # min_tokens masks EOS exactly as HF min_new_tokens does, so both runs make the same tokens.
+    params = [SamplingParams(temperature=0, max_tokens=o, min_tokens=o, ignore_eos=True) for _, o in workload]
     start = time.perf_counter()
     outputs = llm.generate([p for p, _ in workload], params)
     surge_rate = _report("surge", time.perf_counter() - start, workload, num_params)

@@ -21,7 +21,7 @@ import surge.attention.torch_backend  # noqa: F401  (registers the backend)
 
 logger = init_logger(__name__)
 
-_CPU_DEFAULT_KV_BYTES = 4 << 30  # the CPU shares memory with everything else: a modest default
+_CPU_DEFAULT_KV_BYTES = 2 << 30  # the CPU shares memory with everything else: a modest default
 
 
 @dataclass
@@ -91,9 +91,9 @@ class ModelRunner:
         for layer_id, attn in enumerate(self.model.attention_layers()):
             group = kvc.group_of_layer(layer_id)
             spec = group.spec
+            # Zeroed: attention backends may read (masked) slots nobody wrote; NaN garbage there would leak through.
             cache = torch.zeros(2, kvc.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
-                                dtype=mc.dtype, device=self.device) if self.device.type != "cpu" else \
-                torch.empty(2, kvc.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, dtype=mc.dtype)
+                                dtype=mc.dtype, device=self.device)
             attn.kv_cache, attn.group_id, attn.backend = cache, group.group_id, self.backend
             self.kv_caches.append(cache)
 
