@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ class ModelConfig:
     layer_types: tuple[str, ...]
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    load_format: str = "safetensors"  # "dummy": random weights (presets, benchmarks)
 
     @property
     def num_layers(self) -> int:
@@ -74,29 +76,43 @@ class ModelConfig:
             raise ValueError(f"model={str(model)!r}: config.json is not valid JSON ({e})") from None
         if not any(path.glob("*.safetensors")):
             raise ValueError(f"model={str(model)!r}: no *.safetensors weight files found")
+        gen = path / "generation_config.json"
+        gen_cfg = json.loads(gen.read_text()) if gen.is_file() else {}
+        return ModelConfig.from_hf_config(str(path), cfg, gen_cfg, dtype, device, max_model_len)
+
+    @staticmethod
+    def from_preset(name: str, dtype: str | torch.dtype, device: torch.device,
+                    max_model_len: int | None = None) -> ModelConfig:
+        from surge.model.presets import get_preset
+        return ModelConfig.from_hf_config(f"preset:{name}", get_preset(name), {}, dtype, device, max_model_len,
+                                          load_format="dummy")
+
+    @staticmethod
+    def from_hf_config(model: str, cfg: dict, gen_cfg: dict, dtype: str | torch.dtype, device: torch.device,
+                       max_model_len: int | None = None, load_format: str = "safetensors") -> ModelConfig:
         archs = cfg.get("architectures") or []
         supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
         if not supported:
-            raise ValueError(f"model={str(model)!r}: architecture {archs or '(none given)'} is not supported; "
+            raise ValueError(f"model={model!r}: architecture {archs or '(none given)'} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
             if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
-                raise ValueError(f"model={str(model)!r}: config.json field {key!r} must be a positive integer, "
+                raise ValueError(f"model={model!r}: config.json field {key!r} must be a positive integer, "
                                  f"got {cfg.get(key)!r}")
         num_layers = cfg["num_hidden_layers"]
         sliding_window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
         if len(layer_types) != num_layers:
-            raise ValueError(f"model={str(model)!r}: layer_types has {len(layer_types)} entries but "
+            raise ValueError(f"model={model!r}: layer_types has {len(layer_types)} entries but "
                              f"num_hidden_layers is {num_layers}")
         for t in layer_types:
             if t not in ("full_attention", "sliding_attention"):
-                raise ValueError(f"model={str(model)!r}: layer type {t!r} is not supported; "
+                raise ValueError(f"model={model!r}: layer type {t!r} is not supported; "
                                  "supported: full_attention, sliding_attention")
         if sliding_window is None:  # as in HF: without a window, "sliding" layers attend to everything
             layer_types = ["full_attention"] * num_layers
         elif not (isinstance(sliding_window, int) and sliding_window > 0):
-            raise ValueError(f"model={str(model)!r}: sliding_window must be a positive integer, got {sliding_window!r}")
+            raise ValueError(f"model={model!r}: sliding_window must be a positive integer, got {sliding_window!r}")
         if "sliding_attention" not in layer_types:
             sliding_window = None
         model_max = cfg.get("max_position_embeddings") or 4096
@@ -104,19 +120,15 @@ class ModelConfig:
             max_model_len = model_max
         elif not (isinstance(max_model_len, int) and 1 <= max_model_len):
             raise ValueError(f"max_model_len={max_model_len!r} must be a positive integer")
-        eos = _eos_token_ids(path, cfg)
-        return ModelConfig(model=str(path), hf_config=cfg, dtype=resolve_dtype(dtype, device),
+        return ModelConfig(model=model, hf_config=cfg, dtype=resolve_dtype(dtype, device),
                            architecture=supported[0], max_model_len=max_model_len,
-                           layer_types=tuple(layer_types), sliding_window=sliding_window, eos_token_ids=eos)
+                           layer_types=tuple(layer_types), sliding_window=sliding_window,
+                           eos_token_ids=_eos_token_ids(gen_cfg, cfg), load_format=load_format)
 
 
-def _eos_token_ids(path: Path, cfg: dict) -> tuple[int, ...]:
+def _eos_token_ids(gen_cfg: dict, cfg: dict) -> tuple[int, ...]:
     ids: list[int] = []
-    sources = [cfg]
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        sources.insert(0, json.loads(gen.read_text()))
-    for src in sources:
+    for src in (gen_cfg, cfg):
         eos = src.get("eos_token_id")
         for e in (eos if isinstance(eos, list) else [eos]):
             if isinstance(e, int) and e not in ids:
@@ -177,6 +189,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device: torch.device
     seed: int = 0
+    enforce_eager: bool = False  # True: no CUDA graphs (always so off CUDA)
 
     @staticmethod
     def create(model: str | Path | None = None, *, dtype: str = "auto", device: str | None = None,
@@ -184,8 +197,13 @@ class EngineConfig:
                kv_cache_memory: int | None = None, memory_fraction: float = 0.9,
                num_gpu_blocks_override: int | None = None, max_num_batched_tokens: int | None = None,
                max_num_seqs: int = 128, enable_chunked_prefill: bool = True, tensor_parallel_size: int = 1,
-               seed: int = 0) -> EngineConfig:
-        if model is None:
+               seed: int = 0, preset: str | None = None, load_format: str = "auto",
+               enforce_eager: bool = False) -> EngineConfig:
+        if load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format={load_format!r} is not supported; choose auto, safetensors or dummy")
+        if preset is not None and model is not None:
+            raise ValueError(f"give model or preset, not both (model={str(model)!r}, preset={preset!r})")
+        if model is None and preset is None:
             from surge.model.loader.default_model import default_model_path
             model = default_model_path()
         if device is None:
@@ -194,7 +212,14 @@ class EngineConfig:
             dev = torch.device(device)
         except RuntimeError:
             raise ValueError(f"device={device!r} is not a valid torch device (try 'cpu' or 'cuda')") from None
-        model_config = ModelConfig.from_path(model, dtype, dev, max_model_len)
+        if preset is not None:
+            if load_format == "safetensors":
+                raise ValueError(f"preset={preset!r} has no checkpoint: use load_format='dummy' (random weights)")
+            model_config = ModelConfig.from_preset(preset, dtype, dev, max_model_len)
+        else:
+            model_config = ModelConfig.from_path(model, dtype, dev, max_model_len)
+            if load_format == "dummy":
+                model_config = dataclasses.replace(model_config, load_format="dummy")
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, model_config.max_model_len)
         return EngineConfig(
@@ -208,4 +233,5 @@ class EngineConfig:
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             device=dev,
             seed=seed,
+            enforce_eager=enforce_eager or dev.type != "cuda",
         )

@@ -10,14 +10,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from surge.attention.backend import AttentionMetadata, default_backend_name, get_backend
+from surge.attention.backend import default_backend_name, get_backend
 from surge.config import EngineConfig
 from surge.core.kv_cache.spec import KVCacheConfig, build_kv_cache_groups
 from surge.core.scheduler import SchedulerOutput
 from surge.logger import init_logger
 from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs
-from surge.model.loader.safetensors_loader import build_model, load_weights
-import surge.attention.torch_backend  # noqa: F401  (registers the backend)
+from surge.model.loader.safetensors_loader import build_model, init_dummy_weights, iterate_safetensors, load_weights
+from surge.worker.cuda_graph import CUDAGraphRunner
+from surge.worker.step_inputs import StepInputs
+import surge.attention.torch_backend  # noqa: F401,I001  (registers the backend)
 
 logger = init_logger(__name__)
 
@@ -52,13 +54,24 @@ class ModelRunner:
         mc = config.model_config
         start = time.perf_counter()
         self.model = build_model(mc, self.device)
-        load_weights(self.model, mc.model)
+        if mc.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, iterate_safetensors(mc.model), mc.model)
         logger.info("loaded %s (%s, %s) in %.2f s", mc.architecture, mc.dtype, self.device,
                     time.perf_counter() - start)
         self.sampler = Sampler()
         self.backend = get_backend(default_backend_name(self.device))
         self.kv_cache_config = self._size_kv_cache()
         self._allocate_kv_cache()
+        cc, sc = config.cache_config, config.scheduler_config
+        self.inputs = StepInputs(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs,
+                                 -(-mc.max_model_len // cc.block_size), len(self.kv_cache_config.groups),
+                                 cc.block_size, self.device)
+        self.graph_runner: CUDAGraphRunner | None = None
+        if not config.enforce_eager:
+            self.graph_runner = CUDAGraphRunner(self.model, self.inputs, sc.max_num_seqs, mc.max_model_len)
+            self.graph_runner.capture()
 
     def _size_kv_cache(self) -> KVCacheConfig:
         mc, cc = self.config.model_config, self.config.cache_config
@@ -97,48 +110,18 @@ class ModelRunner:
             attn.kv_cache, attn.group_id, attn.backend = cache, group.group_id, self.backend
             self.kv_caches.append(cache)
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        dev = self.device
-        block_size = self.config.cache_config.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_start_loc = [0]
-        seq_lens = []
-        for s in out.scheduled:
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            token_ids.extend(s.request.token_ids[start:end])
-            positions.extend(range(start, end))
-            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-        num_reqs = len(out.scheduled)
-        pos_t = torch.tensor(positions, dtype=torch.int64)
-        req_of_token = torch.repeat_interleave(torch.arange(num_reqs),
-                                               torch.tensor([s.num_new_tokens for s in out.scheduled]))
-        slot_mappings, block_tables = [], []
-        for g in range(len(self.kv_cache_config.groups)):
-            rows = [s.block_ids[g] for s in out.scheduled]
-            width = max(len(r) for r in rows)
-            table = torch.zeros(num_reqs, width, dtype=torch.int32)
-            for i, r in enumerate(rows):
-                table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-            slots = table[req_of_token, pos_t // block_size].long() * block_size + pos_t % block_size
-            slot_mappings.append(slots.to(dev, non_blocking=True))
-            block_tables.append(table.to(dev, non_blocking=True))
-        meta = AttentionMetadata(
-            num_reqs=num_reqs, num_tokens=len(token_ids), query_start_loc=query_start_loc, seq_lens=seq_lens,
-            max_query_len=max(s.num_new_tokens for s in out.scheduled), max_seq_len=max(seq_lens),
-            slot_mapping=slot_mappings, block_tables=block_tables,
-            query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=dev))
-        return torch.tensor(token_ids, dtype=torch.int64, device=dev), pos_t.to(dev), meta
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
         if out.is_empty:
             return result
-        input_ids, positions, meta = self._prepare(out)
-        hidden = self.model(input_ids, positions, meta)
+        num_tokens, num_reqs, query_start_loc, seq_lens = self.inputs.fill(out)
+        max_query_len = max(s.num_new_tokens for s in out.scheduled)
+        meta = self.inputs.metadata(num_tokens, num_reqs, query_start_loc, seq_lens, max_query_len, max(seq_lens))
+        if self.graph_runner is not None and max_query_len == 1 and self.graph_runner.padded_size(num_reqs):
+            hidden = self.graph_runner.replay(num_reqs)
+        else:
+            hidden = self.model(self.inputs.input_ids[:num_tokens], self.inputs.positions[:num_tokens], meta)
 
         # Rows that need logits: the last position of each sampling request, then prompt-logprob positions.
         sample_idx, rows = [], []

@@ -1,6 +1,8 @@
-"""Load an HF-format checkpoint (one or many safetensors shards) into a model through its weight loaders."""
+"""Build a model and fill it: from an HF-format checkpoint (one or many safetensors shards) through each
+parameter's weight loader, from any (name, tensor) iterator (an HF model in memory), or with random weights."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -24,34 +26,50 @@ def build_model(config: ModelConfig, device: torch.device) -> nn.Module:
     return model.eval()
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"model={str(model_dir)!r}: no *.safetensors weight files found")
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                target = model.checkpoint_name_to_param(name)
-                if target is None:
-                    continue
-                param_name, shard_id = target
-                if param_name not in params:
-                    raise ValueError(f"{file.name}: checkpoint tensor {name!r} matches no parameter of "
-                                     f"{type(model).__name__}")
-                param = params[param_name]
-                tensor = f.get_tensor(name).to(param.dtype)
-                loader = getattr(param, "weight_loader", None)
-                try:
-                    if loader is None:
-                        default_weight_loader(param, tensor)
-                    else:
-                        loader(param, tensor, shard_id)
-                except ValueError as e:
-                    raise ValueError(f"{file.name}: tensor {name!r}: {e}") from None
-                loaded.add(param_name)
+                yield name, f.get_tensor(name)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Every parameter must receive a tensor; checkpoint tensors that match no parameter are an error."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        target = model.checkpoint_name_to_param(name)
+        if target is None:
+            continue
+        param_name, shard_id = target
+        if param_name not in params:
+            raise ValueError(f"{source}: checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+        param = params[param_name]
+        tensor = tensor.to(device=param.device, dtype=param.dtype)
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is None:
+                default_weight_loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"{source}: tensor {name!r}: {e}") from None
+        loaded.add(param_name)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise ValueError(f"model={str(model_dir)!r}: checkpoint lacks weights for {missing[:5]}"
-                         f"{' ...' if len(missing) > 5 else ''}")
+        raise ValueError(f"{source}: checkpoint lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights for benchmarks: small normal values, norms near 1, so activations stay finite."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,45 @@
+"""Built-in model presets: real architectures' configs, for random-weight benchmarks with no hub and no disk.
+
+`surge bench ... --preset qwen3-8b` builds the model from these shapes and fills it with random weights.
+"""
+from __future__ import annotations
+
+_QWEN3_8B = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+    num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    attention_bias=False, bos_token_id=151643, eos_token_id=151645, hidden_act="silu", use_sliding_window=False,
+    sliding_window=None, max_window_layers=36)
+
+_LLAMA31_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+    max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    attention_bias=False, mlp_bias=False, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+    hidden_act="silu",
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192))
+
+_TINY = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
+    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=4096,
+    max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    bos_token_id=1, eos_token_id=2, hidden_act="silu")
+
+_TINY_HYBRID = dict(
+    _TINY, architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=False,
+    use_sliding_window=True, sliding_window=64,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+
+PRESETS: dict[str, dict] = {
+    "qwen3-8b": _QWEN3_8B,
+    "llama3.1-8b": _LLAMA31_8B,
+    "tiny-llama": _TINY,
+    "tiny-qwen3-hybrid": _TINY_HYBRID,
+}
+
+
+def get_preset(name: str) -> dict:
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} is unknown; available: {', '.join(PRESETS)}")
+    return dict(PRESETS[name])
