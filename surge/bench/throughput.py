@@ -1,7 +1,8 @@
-"""`surge bench throughput`: offline throughput on random-token prompts with ignore_eos, optionally side by side
-with HF transformers `generate` on the same model, prompts and lengths, in the same process.
+"""`surge bench throughput`: offline throughput on random-token prompts (exact output lengths, EOS ignored),
+optionally side by side with HF transformers on the same weights and workload, in the same process.
 
-Prints requests/s, output and total tokens/s, and the compute rate the tokens imply (2 x params FLOP per token).
+The HF peer is `generate` (static batches, left-padded) on CPU and `generate_batch`-style continuous batching on
+CUDA. Prints requests/s, output and total tokens/s, and the compute rate the tokens imply (2 x params FLOP/token).
 """
 from __future__ import annotations
 
@@ -10,78 +11,74 @@ import time
 
 import torch
 
+from surge.bench.common import add_model_args, build_engine, hf_model_for, make_workload, run_engine
 from surge.entrypoints.cli.args import engine_kwargs
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=int, default=32)
-    g.add_argument("--input-len", type=int, default=128)
-    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument("--input-len", type=int, default=128, help="(minimum, with --input-len-max) prompt length")
+    g.add_argument("--output-len", type=int, default=128, help="(minimum, with --output-len-max) output length")
+    g.add_argument("--input-len-max", type=int, default=None, help="prompt lengths uniform in [input-len, this]")
+    g.add_argument("--output-len-max", type=int, default=None, help="output lengths uniform in [output-len, this]")
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len x (1 - r), len x (1 + r)] (0: fixed)")
     g.add_argument("--workload-seed", type=int, default=0)
-    g.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate and print the ratio")
+    g.add_argument("--compare-hf", action="store_true", help="also run HF transformers and print the ratio")
     g.add_argument("--hf-batch-size", type=int, default=None, help="HF generate batch size (default: all prompts)")
 
 
-def make_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
-                  seed: int) -> list[tuple[list[int], int]]:
-    for name, value in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len)):
-        if value < 1:
-            raise ValueError(f"{name}={value} must be >= 1")
-    if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"range_ratio={range_ratio} must be in [0, 1)")
-    g = torch.Generator().manual_seed(seed)
-
-    def length(mean: int) -> int:
-        lo, hi = max(1, int(mean * (1 - range_ratio))), int(mean * (1 + range_ratio))
-        return int(torch.randint(lo, hi + 1, (1,), generator=g))
-
-    # Avoid the low ids, which are usually special tokens.
-    return [(torch.randint(min(100, vocab_size // 2), vocab_size, (length(input_len),), generator=g).tolist(),
-             length(output_len)) for _ in range(num_prompts)]
-
-
-def _report(name: str, seconds: float, workload, num_params: int) -> float:
-    out_tokens = sum(o for _, o in workload)
-    total = out_tokens + sum(len(p) for p, _ in workload)
+def _report(name: str, seconds: float, out_tokens: int, in_tokens: int, num_requests: int, num_params: int) -> float:
+    total = out_tokens + in_tokens
     tflops = 2 * num_params * total / seconds / 1e12
-    print(f"{name:>12}: {seconds:8.2f} s  {len(workload) / seconds:8.2f} req/s  {out_tokens / seconds:10.1f} output "
-          f"tok/s  {total / seconds:10.1f} total tok/s  ~{tflops * 1000:.1f} GFLOP/s (2 x params x tokens)")
+    print(f"{name:>16}: {seconds:8.2f} s  {num_requests / seconds:8.2f} req/s  {out_tokens / seconds:10.1f} output "
+          f"tok/s  {total / seconds:10.1f} total tok/s  {tflops:8.3f} TFLOP/s (2 x params x tokens)", flush=True)
     return out_tokens / seconds
 
 
 def run_throughput(args: argparse.Namespace) -> None:
-    from surge import LLM, SamplingParams
-
-    llm = LLM(**engine_kwargs(args))
-    mc = llm.config.model_config
+    engine = build_engine(args, engine_kwargs(args))
+    mc = engine.config.model_config
     workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, mc.vocab_size,
-                             args.workload_seed)
-    num_params = sum(p.numel() for p in llm.engine.runner.model.parameters())
-    print(f"model {mc.model} ({mc.architecture}, {num_params / 1e6:.0f}M params, {mc.dtype}, {llm.config.device}); "
-          f"{len(workload)} prompts, input {args.input_len}, output {args.output_len}, range {args.range_ratio}")
-    llm.generate([p[:8] for p, _ in workload[:2]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    llm.reset_prefix_cache()
-    # min_tokens masks EOS exactly as HF min_new_tokens does, so both runs make the same tokens.
-    params = [SamplingParams(temperature=0, max_tokens=o, min_tokens=o, ignore_eos=True) for _, o in workload]
+                             args.workload_seed, args.input_len_max, args.output_len_max)
+    num_params = sum(p.numel() for p in engine.runner.model.parameters())
+    in_tokens, out_tokens = sum(len(p) for p, _ in workload), sum(o for _, o in workload)
+    print(f"model {mc.model} ({mc.architecture}, {num_params / 1e9:.2f}B params, {mc.dtype}, {engine.config.device}); "
+          f"{len(workload)} prompts, {in_tokens} input and {out_tokens} output tokens; "
+          f"engine ready in {engine.startup_seconds:.1f} s", flush=True)
+    hf = hf_model_for(engine) if args.compare_hf else None  # the engine takes HF's weights: same model
+    run_engine(engine, [(p[:8], 2) for p, _ in workload[:2]], show_progress=False)  # warm-up
+    engine.kv_cache_manager.reset_prefix_cache()
+    _sync(engine)
     start = time.perf_counter()
-    outputs = llm.generate([p for p, _ in workload], params)
-    surge_rate = _report("surge", time.perf_counter() - start, workload, num_params)
-    if not args.compare_hf:
+    outputs = run_engine(engine, workload)
+    _sync(engine)
+    surge_rate = _report("surge", time.perf_counter() - start, out_tokens, in_tokens, len(workload), num_params)
+    if hf is None:
         return
-    hf_tokens, hf_seconds = _run_hf(mc, llm.config.device, workload, args.hf_batch_size or len(workload))
-    hf_rate = _report("hf generate", hf_seconds, workload, num_params)
-    same = sum(o.outputs[0].token_ids == t for o, t in zip(outputs, hf_tokens))
-    print(f"ratio surge / hf: {surge_rate / hf_rate:.2f}x; greedy outputs identical to HF: {same}/{len(workload)}")
+    if engine.config.device.type == "cuda":
+        name, (hf_tokens, seconds, hf_out) = "hf generate_batch", _run_hf_continuous(hf, workload)
+    else:
+        name, (hf_tokens, seconds, hf_out) = "hf generate", _run_hf_static(hf, workload, args.hf_batch_size,
+                                                                           mc.eos_token_ids)
+    hf_rate = _report(name, seconds, hf_out, in_tokens, len(workload), num_params)
+    same = sum(outputs[str(i)] == t for i, t in enumerate(hf_tokens))
+    print(f"ratio surge / hf: {surge_rate / hf_rate:.2f}x output tok/s; greedy outputs identical to HF: "
+          f"{same}/{len(workload)}", flush=True)
 
 
-def _run_hf(mc, device, workload, batch_size: int) -> tuple[list[list[int]], float]:
-    from transformers import AutoModelForCausalLM
+def _sync(engine) -> None:
+    if engine.config.device.type == "cuda":
+        torch.cuda.synchronize()
 
-    model = AutoModelForCausalLM.from_pretrained(mc.model, dtype=mc.dtype).to(device).eval()
-    pad = mc.eos_token_ids[0] if mc.eos_token_ids else 0
+
+def _run_hf_static(model, workload, batch_size: int | None, eos_ids) -> tuple[list[list[int]], float, int]:
+    """HF generate in padded batches; every sequence of a batch runs to the batch's longest output."""
+    batch_size = batch_size or len(workload)
+    device = next(model.parameters()).device
+    pad = eos_ids[0] if eos_ids else 0
     results: list[list[int]] = []
     start = time.perf_counter()
     with torch.inference_mode():
@@ -94,4 +91,25 @@ def _run_hf(mc, device, workload, batch_size: int) -> tuple[list[list[int]], flo
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                  do_sample=False, pad_token_id=pad)
             results.extend(out[j, width:width + o].tolist() for j, (_, o) in enumerate(batch))
-    return results, time.perf_counter() - start
+    return results, time.perf_counter() - start, sum(o for _, o in workload)
+
+
+def _run_hf_continuous(model, workload) -> tuple[list[list[int]], float, int]:
+    """HF transformers' continuous batching (the engine behind `generate_batch`), one max_new_tokens per request."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(o for _, o in workload), eos_token_id=None,
+                           pad_token_id=0)
+    results: dict[str, list[int]] = {}
+    start = time.perf_counter()
+    with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=5) as manager:
+        for i, (prompt, out_len) in enumerate(workload):
+            manager.add_request(prompt, request_id=str(i), max_new_tokens=out_len)
+        deadline = time.monotonic() + 3600
+        while len(results) < len(workload) and time.monotonic() < deadline:
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                results[r.request_id] = list(r.generated_tokens)
+    seconds = time.perf_counter() - start
+    tokens = [results.get(str(i), []) for i in range(len(workload))]
+    return tokens, seconds, sum(len(t) for t in tokens)

@@ -64,6 +64,12 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    from surge.bench.latency import run_latency
+    run_latency(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="surge", description="Surge: a compact, fast LLM inference engine")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -91,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_throughput_args(p)
     p.set_defaults(func=cmd_bench_throughput)
+    from surge.bench.latency import add_latency_args
+    p = bench.add_parser("latency", help="prefill and per-token decode latency, with GB/s, MBU, TFLOP/s and MFU")
+    add_engine_args(p)
+    add_latency_args(p)
+    p.set_defaults(func=cmd_bench_latency)
     return parser
 
 

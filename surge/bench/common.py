@@ -1,0 +1,92 @@
+"""Shared benchmark plumbing: build the engine (model directory or random-weight preset), random-token workloads,
+a tokenizer-free driver for EngineCore, and the HF transformers peers run on the same weights."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from surge.config import EngineConfig
+from surge.engine.core import EngineCore
+from surge.engine.request import Request
+from surge.sampling_params import SamplingParams
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default=None, help="random-weight model from a built-in config: qwen3-8b, "
+                   "llama3.1-8b, tiny-llama, tiny-qwen3-hybrid (instead of --model)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def make_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                  seed: int, input_len_max: int | None = None,
+                  output_len_max: int | None = None) -> list[tuple[list[int], int]]:
+    """Random-token prompts. Lengths: fixed, uniform in len x [1 - r, 1 + r], or uniform in [len, len_max]."""
+    for name, value in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio={range_ratio} must be in [0, 1)")
+    g = torch.Generator().manual_seed(seed)
+
+    def length(mean: int, maximum: int | None) -> int:
+        lo, hi = (mean, maximum) if maximum else (max(1, int(mean * (1 - range_ratio))), int(mean * (1 + range_ratio)))
+        if hi < lo:
+            raise ValueError(f"length range [{lo}, {hi}] is empty")
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    low = min(100, vocab_size // 2)  # avoid the low ids, which are usually special tokens
+    return [(torch.randint(low, vocab_size, (length(input_len, input_len_max),), generator=g).tolist(),
+             length(output_len, output_len_max)) for _ in range(num_prompts)]
+
+
+def build_engine(args: argparse.Namespace, engine_kwargs: dict) -> EngineCore:
+    kwargs = dict(engine_kwargs)
+    if args.preset:
+        if kwargs.get("model"):
+            raise ValueError("give --model or --preset, not both")
+        kwargs.update(model=None, preset=args.preset, load_format="dummy")
+    kwargs["enforce_eager"] = args.enforce_eager
+    start = time.perf_counter()
+    engine = EngineCore(EngineConfig.create(**kwargs))
+    engine.startup_seconds = time.perf_counter() - start
+    return engine
+
+
+def run_engine(engine: EngineCore, workload: list[tuple[list[int], int]], desc: str = "surge",
+               show_progress: bool = True) -> dict[str, list[int]]:
+    """Greedy, exactly the requested number of tokens per prompt; returns request id -> output token ids."""
+    cfg = engine.config
+    for i, (prompt, out_len) in enumerate(workload):
+        params = SamplingParams(temperature=0, max_tokens=out_len, min_tokens=out_len, ignore_eos=True)
+        engine.add_request(Request(str(i), prompt, params, cfg.cache_config.block_size, cfg.device))
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(workload))}
+    bar = tqdm(total=len(workload), desc=desc, unit="req", disable=not show_progress)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outputs[o.request_id].extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                bar.update(1)
+    bar.close()
+    return outputs
+
+
+def hf_model_for(engine: EngineCore):
+    """The HF transformers model with the same config; the engine then takes its weights, so both are identical."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from surge.model.loader.safetensors_loader import load_weights
+
+    mc = engine.config.model_config
+    if mc.load_format == "dummy":
+        cfg = dict(mc.hf_config)
+        hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        torch.manual_seed(engine.config.seed)
+        with torch.device(engine.config.device):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=mc.dtype)
+        load_weights(engine.runner.model, model.state_dict().items(), "HF model")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(mc.model, dtype=mc.dtype).to(engine.config.device)
+    return model.eval()

@@ -1,0 +1,128 @@
+"""`surge bench latency`: per batch size, prefill time and time per output token, with what the hardware achieved:
+decode GB/s (weights + KV read per step) and MBU against a copy bandwidth measured in the same run, prefill
+TFLOP/s and MFU against a GEMM peak measured in the same run."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from surge.bench.common import add_model_args, build_engine, hf_model_for, make_workload, run_engine
+from surge.entrypoints.cli.args import engine_kwargs
+
+
+def add_latency_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--batch-sizes", default="1", help="comma-separated, e.g. 1,8,32")
+    g.add_argument("--input-len", type=int, default=128)
+    g.add_argument("--output-len", type=int, default=256)
+    g.add_argument("--repeats", type=int, default=2, help="timed runs per case (the best is reported)")
+    g.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate (batch 1 decode)")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 27)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n / best
+
+
+def measure_gemm_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large square matmul in the model's dtype."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    _sync(device)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best
+
+
+def _timed(engine, workload, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        engine.kv_cache_manager.reset_prefix_cache()
+        _sync(engine.config.device)
+        start = time.perf_counter()
+        run_engine(engine, workload, show_progress=False)
+        _sync(engine.config.device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_latency(args: argparse.Namespace) -> None:
+    engine = build_engine(args, engine_kwargs(args))
+    mc, dev = engine.config.model_config, engine.config.device
+    model = engine.runner.model
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = mc.vocab_size * mc.hf_config["hidden_size"]
+    dense_params = params - embed  # the embedding is a lookup; the LM head runs once per sequence in prefill
+    if not mc.hf_config.get("tie_word_embeddings"):
+        dense_params -= embed
+    kv_bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+    copy_bw = measure_copy_bandwidth(dev)
+    peak = measure_gemm_peak(dev, mc.dtype)
+    print(f"model {mc.model} ({params / 1e9:.2f}B params, {weight_bytes / 1e9:.2f} GB, {mc.dtype}, {dev}); "
+          f"engine ready in {engine.startup_seconds:.1f} s; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s, "
+          f"{mc.dtype} GEMM peak {peak / 1e12:.1f} TFLOP/s", flush=True)
+    run_engine(engine, make_workload(2, 16, 4, 0, mc.vocab_size, 1), show_progress=False)  # warm-up
+    for bs in (int(b) for b in args.batch_sizes.split(",")):
+        workload = make_workload(bs, args.input_len, args.output_len, 0.0, mc.vocab_size, bs)
+        prefill = _timed(engine, [(p, 1) for p, _ in workload], args.repeats)
+        total = _timed(engine, workload, args.repeats)
+        tpot = (total - prefill) / max(args.output_len - 1, 1)
+        ctx = args.input_len + args.output_len / 2
+        decode_bytes = weight_bytes + bs * ctx * kv_bytes_per_token
+        tokens = bs * args.input_len
+        flops = 2 * dense_params * tokens + 2 * bs * embed
+        flops += 2 * mc.num_layers * mc.hf_config["num_attention_heads"] * mc.head_dim * bs * args.input_len ** 2
+        print(f"batch {bs:4d} in {args.input_len} out {args.output_len}: prefill {prefill * 1e3:8.1f} ms "
+              f"{flops / prefill / 1e12:7.1f} TFLOP/s (MFU {flops / prefill / peak:5.1%}) | decode "
+              f"{tpot * 1e3:7.2f} ms/step {bs / tpot:9.1f} tok/s {decode_bytes / tpot / 1e9:7.0f} GB/s "
+              f"(MBU {decode_bytes / tpot / copy_bw:5.1%})", flush=True)
+    if args.compare_hf:
+        _compare_hf(engine, args)
+
+
+def _compare_hf(engine, args) -> None:
+    mc = engine.config.model_config
+    hf = hf_model_for(engine)
+    prompt, _ = make_workload(1, args.input_len, args.output_len, 0, mc.vocab_size, 7)[0]
+    ids = torch.tensor([prompt], device=engine.config.device)
+    with torch.inference_mode():
+        hf.generate(ids, max_new_tokens=4, do_sample=False)
+        _sync(engine.config.device)
+        start = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False)
+        _sync(engine.config.device)
+    hf_seconds = time.perf_counter() - start
+    engine.kv_cache_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    ours = run_engine(engine, [(prompt, args.output_len)], show_progress=False)["0"]
+    _sync(engine.config.device)
+    seconds = time.perf_counter() - start
+    same = ours == out[0, len(prompt):].tolist()
+    print(f"batch 1, {args.output_len} tokens: surge {args.output_len / seconds:.1f} tok/s, HF generate "
+          f"{args.output_len / hf_seconds:.1f} tok/s, ratio {hf_seconds / seconds:.2f}x; greedy identical: {same}")
