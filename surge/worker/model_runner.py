@@ -131,7 +131,10 @@ class ModelRunner:
             start = meta.query_start_loc[i]
             if s.samples:
                 sample_idx.append(meta.query_start_loc[i + 1] - 1)
-                rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator))
+                p = req.params
+                history = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                rows.append(SamplingRow(p, req.prompt_token_ids, req.output_token_ids if history else [],
+                                        req.generator, req.num_output_tokens))
             if req.params.prompt_logprobs is not None:
                 lo = max(s.num_computed_tokens, req.num_prompt_logprobs_done)
                 hi = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)

@@ -19,6 +19,12 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens generated so far (penalties, min_tokens)
     generator: torch.Generator | None = None  # per-request RNG seeded from params.seed; None: the global RNG
+    # How many tokens were generated so far; callers that skip copying output_token_ids (no penalties) set it.
+    num_output_tokens: int | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_token_ids) if self.num_output_tokens is None else self.num_output_tokens
 
 
 @dataclass
@@ -66,7 +72,7 @@ def compute_token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
 
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     vocab_size = logits.shape[1]
-    masked = [(i, t) for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens
+    masked = [(i, t) for i, r in enumerate(rows) if r.num_generated < r.params.min_tokens
               for t in r.params.all_stop_token_ids if t < vocab_size]
     if masked:
         row_idx, token_idx = torch.tensor(masked, device=logits.device).T
