@@ -53,4 +53,4 @@ def get_backend(name: str) -> AttentionBackend:
 
 
 def default_backend_name(device: torch.device) -> str:
-    return "torch"
+    return "triton" if device.type == "cuda" else "torch"

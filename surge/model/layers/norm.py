@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (the layout every decoder layer uses)."""
+"""RMSNorm, optionally fused with the residual add that precedes it (the layout every decoder layer uses).
+On CUDA a Triton kernel (surge/kernels/norm.py) does it in one pass; torch elsewhere."""
 from __future__ import annotations
 
 import torch
@@ -20,6 +21,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if x.is_cuda:  # one fused Triton pass instead of ~7 elementwise kernels
+            from surge.kernels.norm import fused_add_rms_norm, rms_norm
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -53,7 +53,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
+        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. On CUDA rotated in place by a Triton kernel."""
+        if q.is_cuda:
+            from surge.kernels.rotary import apply_rotary
+            apply_rotary(positions, q, k, self.cos_cache, self.sin_cache)
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

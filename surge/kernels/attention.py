@@ -1,0 +1,293 @@
+"""Paged attention for mixed prefill + decode batches in one Triton launch, over a [num_blocks, block_size, Hkv, D]
+cache; decode-only batches may split the KV sequence across programs (flash-decoding) and merge in a second launch.
+
+One program owns a tile of BLOCK_Q query tokens x all query heads of one KV head (a GQA group), so each K/V tile it
+loads serves the whole group. Loop bounds come from seq_lens and query_start_loc in device memory, and the grid from
+the token and request counts, so a launch captured in a CUDA graph stays valid for any sequence lengths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from surge.kernels.warmup import CompiledKernel
+
+# Decode: keep at least this many programs per SM before splitting the KV sequence (memory-bound: more warps in
+# flight per SM hide latency), and never more than MAX_SPLITS pieces.
+PROGRAMS_PER_SM = 4
+MAX_SPLITS = 16
+# Tiles are halved beyond this head size and for fp32, to stay inside registers and shared memory.
+WIDE_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """Every compile-time knob of one attention launch."""
+    block_m: int  # rows of a tile: block_q query tokens x the (padded) query heads of one KV head
+    block_q: int  # query tokens per tile
+    block_n: int  # KV positions per inner-loop step
+    num_warps: int
+    num_stages: int
+    num_splits: int  # > 1: split-KV; partial results merged by a second launch
+    decode: bool  # one query token per request: tile i is request i, no search
+
+
+def launch_policy(*, decode_only: bool, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, num_sms: int) -> AttentionLaunch:
+    """Pure function of the batch's kind and capacities: never of sequence lengths.
+
+    decode_only: every request has one query token (the CUDA-graph case); num_seqs is then the (padded) batch size,
+    i.e. the graph's capture size. Mixed batches always use one launch without splits."""
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    fp32 = dtype == torch.float32
+    wide = head_dim > WIDE_HEAD_DIM or fp32
+    block_n = 32 if wide else 64
+    num_stages = 2 if wide else 3
+    num_warps = 8 if fp32 else 4  # fp32 dots run on FMA units: spread the tiles over more registers
+    if decode_only:
+        # tl.dot needs M >= 16: a decode tile is one token's query heads, padded.
+        block_m = max(16, group_pad)
+        programs = num_seqs * num_kv_heads
+        splits = 1
+        while splits < MAX_SPLITS and programs * splits < PROGRAMS_PER_SM * num_sms:
+            splits *= 2
+        return AttentionLaunch(block_m, 1, block_n, num_warps, num_stages, num_splits=splits, decode=True)
+    block_m = max(16 if fp32 else 32 if wide else 64, group_pad)
+    return AttentionLaunch(block_m, block_m // group_pad, block_n, num_warps, num_stages, num_splits=1, decode=False)
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The request owning tile `q_block`: request i's tiles start at query_start_loc[i] // BLOCK_Q + i (an upper
+    bound on the tiles before it), or exactly at query_start_loc[i] when BLOCK_Q == 1."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid)
+        if BLOCK_Q > 1:
+            first = first // BLOCK_Q + mid
+        if first <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+# Values that change from step to step must not pick a variant (Triton specializes ints that are 1 or 16-aligned).
+@triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+        block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+        num_seqs, qk_scale, window,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_cb, stride_cs, stride_ch, stride_bt,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        SLIDING: tl.constexpr, DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE:  # request i owns token i: skip the search and its dependent loads
+        req = q_block
+        q_start = q_block
+        q_len = 1
+        tile_start = 0
+    else:
+        req = _find_request(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        if BLOCK_Q > 1:
+            first_block = q_start // BLOCK_Q + req
+        else:
+            first_block = q_start
+        tile_start = (q_block - first_block) * BLOCK_Q  # first query token of this tile, within the request
+        if tile_start >= q_len:
+            return
+    seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
+    context_len = seq_len - q_len
+
+    GROUP_PAD: tl.constexpr = BLOCK_M // BLOCK_Q
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile_start + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (tok < q_len) & (rows % GROUP_PAD < GROUP)
+    q_pos = context_len + tok
+    dim = tl.arange(0, HEAD_DIM_PAD)
+    if HEAD_DIM == HEAD_DIM_PAD:  # a mask the compiler sees as constant along D keeps loads vectorized
+        dim_ok = tl.full([HEAD_DIM_PAD], 1, tl.int1)
+    else:
+        dim_ok = dim < HEAD_DIM
+    token = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dim[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    # Positions this tile can see: up to its last query (causal), from its first query's window start.
+    if DECODE:
+        kv_end = seq_len
+    else:
+        kv_end = context_len + tl.minimum(tile_start + BLOCK_Q, q_len)
+    kv_begin = 0
+    if SLIDING:
+        kv_begin = tl.maximum(context_len + tile_start - window + 1, 0)
+    tile_lo = kv_begin // BLOCK_N
+    tile_hi = tl.cdiv(kv_end, BLOCK_N)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_hi, tile_lo + per_split)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end  # slots at or past seq_len are never read: they may hold anything
+        block_id = tl.load(table_row + pos // CACHE_BLOCK, mask=pos_ok, other=0)
+        slot = block_id.to(tl.int64) * stride_cb + (pos % CACHE_BLOCK) * stride_cs + kv_head * stride_ch
+        k = tl.load(k_cache_ptr + slot[None, :] + dim[:, None], mask=pos_ok[None, :] & dim_ok[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # log2 domain: qk_scale includes log2(e)
+        visible = pos[None, :] <= q_pos[:, None]
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at zero
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + slot[:, None] + dim[None, :], mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dim[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        num_heads = tl.num_programs(1) * GROUP
+        part = (token * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dim[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_ml_ptr + part * 2)
+    l = tl.load(part_ml_ptr + part * 2 + 1)
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # splits that saw nothing weigh 0
+    total = tl.sum(l * weight, 0)
+    dim = tl.arange(0, HEAD_DIM_PAD)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dim[None, :])
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dim, out.to(out_ptr.dtype.element_ty),
+             mask=dim < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class AttentionKey:
+    """What a compiled variant depends on: dtypes, head geometry, cache block size, window on/off, launch."""
+    dtype: torch.dtype
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    sliding: bool
+    launch: AttentionLaunch
+
+
+class PagedAttention(CompiledKernel):
+    parallel_compile = True
+
+    def __init__(self, device: torch.device, num_sms: int) -> None:
+        super().__init__()
+        self.device, self.num_sms = device, num_sms
+
+    def dispatch(self, *, decode_only: bool, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int, dtype: torch.dtype, sliding: bool) -> AttentionKey:
+        launch = launch_policy(decode_only=decode_only, num_seqs=num_seqs, num_q_heads=num_q_heads,
+                               num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, num_sms=self.num_sms)
+        return AttentionKey(dtype, num_q_heads, num_kv_heads, head_dim, block_size, sliding, launch)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, num_seqs: int, decode_only: bool,
+                 sliding_window: int | None, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (same strides); block_table:
+        [num_seqs, max_blocks] int32; seq_lens: [num_seqs] (tokens in the cache after this step, including this
+        step's); query_start_loc: [num_seqs + 1] int32. decode_only: every request has exactly one query token."""
+        num_tokens, num_q_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        key = self.dispatch(decode_only=decode_only, num_seqs=num_seqs, num_q_heads=num_q_heads,
+                            num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=q.dtype,
+                            sliding=sliding_window is not None)
+        self.ensure(key)
+        if out is None:
+            out = torch.empty_like(q)
+        _launch(key, q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, num_tokens, num_seqs,
+                sliding_window or 0, scale)
+        return out
+
+    def compile(self, key: AttentionKey) -> object:
+        """Compiles without running, on tiny tensors with the runtime's dtypes and stride divisibility."""
+        hq, hkv, d, bs = key.num_q_heads, key.num_kv_heads, key.head_dim, key.block_size
+        dev = self.device
+        q = torch.empty(1, (hq + 2 * hkv) * d, dtype=key.dtype, device=dev)[:, :hq * d].view(1, hq, d)
+        kv_cache = torch.empty(2, 2, bs, hkv, d, dtype=key.dtype, device=dev)
+        table = torch.zeros(1, 16, dtype=torch.int32, device=dev)
+        seq_lens = torch.ones(1, dtype=torch.int64, device=dev)
+        query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        return _launch(key, q, kv_cache[0], kv_cache[1], torch.empty(1, hq, d, dtype=key.dtype, device=dev), table,
+                       seq_lens, query_start_loc, 1, 1, 1 if key.sliding else 0, d ** -0.5, warmup=True)
+
+
+def _launch(key: AttentionKey, q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, num_tokens: int,
+            num_seqs: int, window: int, scale: float, warmup: bool = False):
+    launch = key.launch
+    head_dim_pad = max(16, triton.next_power_of_2(key.head_dim))
+    group = key.num_q_heads // key.num_kv_heads
+    assert tuple(k_cache.stride()) == tuple(v_cache.stride()), "K and V caches must share a layout"
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.stride(-1) == 1
+    if launch.block_q == 1:
+        grid = (num_tokens, key.num_kv_heads, launch.num_splits)
+    else:
+        grid = (num_tokens // launch.block_q + num_seqs, key.num_kv_heads, 1)
+    split = launch.num_splits > 1
+    if split:
+        parts = num_tokens * key.num_q_heads * launch.num_splits
+        part_acc = torch.empty(parts * head_dim_pad, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(parts * 2, dtype=torch.float32, device=q.device)
+    else:  # the kernel never touches them without splits: any float32 pointer will do
+        part_acc = part_ml = torch.empty(0, dtype=torch.float32, device=q.device)
+    args = (q, k_cache, v_cache, out, part_acc, part_ml, block_table, seq_lens, query_start_loc,
+            num_seqs, scale * 1.4426950408889634, window,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0))
+    constexprs = dict(GROUP=group, HEAD_DIM=key.head_dim, HEAD_DIM_PAD=head_dim_pad, CACHE_BLOCK=key.block_size,
+                      BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n,
+                      NUM_SPLITS=launch.num_splits, SLIDING=key.sliding, DECODE=launch.decode,
+                      DOT_PRECISION="ieee" if key.dtype == torch.float32 else "tf32",
+                      num_warps=launch.num_warps, num_stages=launch.num_stages)
+    merge_args = (part_acc, part_ml, out, out.stride(0), out.stride(1))
+    merge_constexprs = dict(HEAD_DIM=key.head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=launch.num_splits,
+                            num_warps=4)
+    if warmup:
+        compiled = [_paged_attention_kernel.warmup(*args, grid=grid, **constexprs)]
+        if split:
+            compiled.append(_merge_splits_kernel.warmup(*merge_args, grid=(1, key.num_q_heads), **merge_constexprs))
+        return compiled
+    _paged_attention_kernel[grid](*args, **constexprs)
+    if split:
+        _merge_splits_kernel[(num_tokens, key.num_q_heads)](*merge_args, **merge_constexprs)
+    return out

@@ -1,0 +1,263 @@
+"""GPU check and microbenchmark of every Surge kernel at Qwen3-8B shapes: `python -m surge.kernels.bench_kernels`.
+
+Each line: the case, the kernel's time, what it achieved (GB/s of bytes that must move; TFLOP/s for prefill
+attention) next to the ceilings measured in the same run, and its check against the torch reference.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+HQ, HKV, HEAD_DIM, HIDDEN, INTERMEDIATE, VOCAB = 32, 8, 128, 4096, 12288, 151936
+DTYPE = torch.bfloat16
+failures: list[str] = []
+
+
+def bench(fn) -> float:
+    """Median seconds of fn, replayed from a CUDA graph when it can be captured (no launch overhead)."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        ms = triton.testing.do_bench_cudagraph(fn, rep=50)
+    except Exception:  # noqa: BLE001 - anything that cannot be captured is timed eagerly
+        ms = triton.testing.do_bench(fn, warmup=10, rep=50)
+    return ms * 1e-3
+
+
+def report(name: str, seconds: float, nbytes: float = 0.0, flops: float = 0.0, err: float | None = None,
+           tol: float = 0.0, extra: str = "") -> None:
+    parts = [f"{name:<40}", f"{seconds * 1e6:9.1f} us"]
+    if nbytes:
+        parts.append(f"{nbytes / seconds / 1e9:7.0f} GB/s")
+    if flops:
+        parts.append(f"{flops / seconds / 1e12:6.1f} TFLOP/s")
+    if err is not None:
+        ok = err <= tol
+        parts.append(f"err {err:.1e} {'ok' if ok else 'FAIL'}")
+        if not ok:
+            failures.append(name)
+    if extra:
+        parts.append(extra)
+    print("  ".join(parts), flush=True)
+
+
+def max_err(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest |got - expected| / (1 + |expected|): absolute near zero, relative (bf16 ulps) for large values."""
+    if got.isnan().any() != expected.isnan().any():
+        return math.inf
+    got, expected = got.float(), expected.float()
+    return ((got - expected).abs() / (1 + expected.abs())).max().item()
+
+
+def ceilings() -> None:
+    """The limits to read the numbers against: device-to-device copy (bytes read + written) and a bf16 GEMM."""
+    src = torch.empty(1 << 30, dtype=torch.float32, device="cuda")  # 4 GiB: far beyond L2
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(2):
+        dst.copy_(src)
+    start.record()
+    for _ in range(5):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    copy_s = start.elapsed_time(end) / 5 * 1e-3
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=DTYPE, device="cuda")
+    gemm_s = bench(lambda: a @ a)
+    print(f"# {torch.cuda.get_device_name()}  copy {2 * 4 * (1 << 30) / copy_s / 1e9:.0f} GB/s  "
+          f"bf16 GEMM {2 * 8192 ** 3 / gemm_s / 1e12:.0f} TFLOP/s  (torch {torch.__version__})", flush=True)
+
+
+def check_norm_rotary_activation() -> None:
+    from surge.kernels.activation import silu_and_mul
+    from surge.kernels.norm import fused_add_rms_norm, rms_norm
+    from surge.kernels.rotary import apply_rotary
+    from surge.model.layers.activation import SiluAndMul
+    from surge.model.layers.norm import RMSNorm
+    from surge.model.layers.rotary import RotaryEmbedding
+
+    norm = RMSNorm(HIDDEN).to("cuda", DTYPE)
+    norm.weight.data.normal_()
+    rope = RotaryEmbedding(HEAD_DIM, 40960, {"rope_theta": 1e6, "rope_type": "default"}).to("cuda")
+    for t in (1, 256, 8192):
+        x = torch.randn(t, HIDDEN, device="cuda", dtype=DTYPE)
+        r = torch.randn_like(x)
+        tt = bench(lambda: norm(x))
+        report(f"rms_norm T={t}", bench(lambda: rms_norm(x, norm.weight, norm.eps)), nbytes=2 * x.numel() * 2,
+               err=max_err(rms_norm(x, norm.weight, norm.eps), norm(x)), tol=0.02, extra=f"torch {tt * 1e6:.1f} us")
+        out, res = fused_add_rms_norm(x, r, norm.weight, norm.eps)
+        ref, ref_res = norm(x, r)
+        tt = bench(lambda: norm(x, r))
+        report(f"fused_add_rms_norm T={t}", bench(lambda: fused_add_rms_norm(x, r, norm.weight, norm.eps)),
+               nbytes=4 * x.numel() * 2, err=max(max_err(out, ref), max_err(res, ref_res)), tol=0.02,
+               extra=f"torch {tt * 1e6:.1f} us")
+
+        qkv = torch.randn(t, (HQ + 2 * HKV) * HEAD_DIM, device="cuda", dtype=DTYPE)
+        q = qkv[:, :HQ * HEAD_DIM].view(t, HQ, HEAD_DIM)
+        k = qkv[:, HQ * HEAD_DIM:(HQ + HKV) * HEAD_DIM].view(t, HKV, HEAD_DIM)
+        pos = torch.randint(0, 40960, (t,), device="cuda")
+        ref_q, ref_k = rope(pos, q.clone(), k.clone())
+        qc, kc = q.clone(), k.clone()
+        apply_rotary(pos, qc, kc, rope.cos_cache, rope.sin_cache)
+        tt = bench(lambda: rope(pos, q, k))
+        report(f"rotary T={t}", bench(lambda: apply_rotary(pos, q, k, rope.cos_cache, rope.sin_cache)),
+               nbytes=2 * t * (HQ + HKV) * HEAD_DIM * 2 + 2 * t * HEAD_DIM * 2,
+               err=max(max_err(qc, ref_q), max_err(kc, ref_k)), tol=0.02, extra=f"torch {tt * 1e6:.1f} us")
+
+        gate_up = torch.randn(t, 2 * INTERMEDIATE, device="cuda", dtype=DTYPE)
+        tt = bench(lambda: SiluAndMul()(gate_up))
+        report(f"silu_and_mul T={t}", bench(lambda: silu_and_mul(gate_up)), nbytes=3 * t * INTERMEDIATE * 2,
+               err=max_err(silu_and_mul(gate_up), SiluAndMul()(gate_up)), tol=0.02, extra=f"torch {tt * 1e6:.1f} us")
+
+
+def _attention_batch(requests: list[tuple[int, int]], block_size: int = 16):
+    """requests: (cached context, new tokens). A cache with scattered blocks; returns what the backends take."""
+    from surge.attention.backend import AttentionMetadata
+
+    blocks_per = [math.ceil((c + n) / block_size) for c, n in requests]
+    num_blocks = 1 + sum(blocks_per)
+    perm = (torch.randperm(num_blocks - 1) + 1).int()
+    table = torch.zeros(len(requests), max(blocks_per), dtype=torch.int32)
+    slots, qsl, start = [], [0], 0
+    for i, ((c, n), nb) in enumerate(zip(requests, blocks_per)):
+        table[i, :nb] = perm[start:start + nb]
+        start += nb
+        pos = torch.arange(c, c + n)
+        slots.append(table[i, pos // block_size].long() * block_size + pos % block_size)
+        qsl.append(qsl[-1] + n)
+    cache = torch.randn(2, num_blocks, block_size, HKV, HEAD_DIM, device="cuda", dtype=DTYPE)
+    t = qsl[-1]
+    q = torch.randn(t, HQ, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(t, HKV, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    seq_lens = [c + n for c, n in requests]
+    meta = AttentionMetadata(
+        num_reqs=len(requests), num_tokens=t, query_start_loc=qsl, seq_lens=seq_lens,
+        max_query_len=max(n for _, n in requests), max_seq_len=max(seq_lens),
+        slot_mapping=[torch.cat(slots).cuda()], block_tables=[table.cuda()],
+        query_start_loc_t=torch.tensor(qsl, dtype=torch.int32, device="cuda"),
+        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device="cuda"))
+    return q, k, v, cache, meta
+
+
+def check_attention(quick: bool) -> None:
+    from surge.attention.torch_backend import TorchAttentionBackend
+    from surge.attention.triton_backend import TritonAttentionBackend
+    from surge.kernels.kv_cache import write_kv_cache
+
+    triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+    kernel = triton_backend.kernel(torch.device("cuda"))
+    scale = HEAD_DIM ** -0.5
+    # Warm-up as start-up would do it: every decode capture size plus the mixed launch, compiled in parallel.
+    keys = [kernel.dispatch(decode_only=b > 0, num_seqs=max(b, 1), num_q_heads=HQ, num_kv_heads=HKV,
+                            head_dim=HEAD_DIM, block_size=16, dtype=DTYPE, sliding=False)
+            for b in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)]
+    start = time.perf_counter()
+    n = kernel.compile_many(keys)
+    print(f"# attention warm-up: {len(set(keys))} distinct keys, {n} compiled in {time.perf_counter() - start:.1f} s "
+          f"(parallel, <= 4 workers)", flush=True)
+
+    for t in (256, 8192):
+        k = torch.randn(t, HKV, HEAD_DIM, device="cuda", dtype=DTYPE)
+        v = torch.randn_like(k)
+        cache = torch.zeros(2, t // 16 + 1, 16, HKV, HEAD_DIM, device="cuda", dtype=DTYPE)
+        slots = torch.randperm(t, device="cuda") + 16
+        write_kv_cache(k, v, cache[0], cache[1], slots)
+        flat = cache.view(2, -1, HKV, HEAD_DIM)
+        err = max(max_err(flat[0, slots], k), max_err(flat[1, slots], v))
+        report(f"kv_write T={t}", bench(lambda: write_kv_cache(k, v, cache[0], cache[1], slots)),
+               nbytes=4 * k.numel() * 2, err=err, tol=0.0)
+
+    batches = (1, 8, 64, 256) if quick else (1, 8, 32, 64, 128, 256)
+    for b in batches:
+        for ctx in (128, 1024, 4096):
+            q, k, v, cache, meta = _attention_batch([(ctx - 1, 1)] * b)
+            got = triton_backend.forward(q, k, v, cache, meta, 0, None, scale)
+            expected = torch_backend.forward(q, k, v, cache, meta, 0, None, scale)
+            launch = kernel.dispatch(decode_only=True, num_seqs=b, num_q_heads=HQ, num_kv_heads=HKV,
+                                     head_dim=HEAD_DIM, block_size=16, dtype=DTYPE, sliding=False).launch
+            kv_bytes = b * ctx * HKV * HEAD_DIM * 2 * 2
+            report(f"attn decode b={b} ctx={ctx}", bench(lambda: triton_backend.forward(q, k, v, cache, meta, 0, None,
+                                                                                      scale)),
+                   nbytes=kv_bytes + 2 * q.numel() * 2, err=max_err(got, expected), tol=0.02,
+                   extra=f"splits={launch.num_splits}")
+            del q, k, v, cache, meta, got, expected
+
+    cases = [("prefill 8x2048", [(0, 2048)] * 8), ("prefill 1x2048 on 2048 cached", [(2048, 2048)]),
+             ("mixed 64 decode@1024 + 512@1024", [(1023, 1)] * 64 + [(1024, 512)])]
+    for name, requests in cases:
+        q, k, v, cache, meta = _attention_batch(requests)
+        got = triton_backend.forward(q, k, v, cache, meta, 0, None, scale)
+        expected = torch_backend.forward(q, k, v, cache, meta, 0, None, scale)
+        pairs = sum(sum(min(c + i + 1, c + n) for i in range(n)) for c, n in requests)  # visible (q, k) pairs
+        report(f"attn {name}", bench(lambda: triton_backend.forward(q, k, v, cache, meta, 0, None, scale)),
+               flops=4 * pairs * HQ * HEAD_DIM, err=max_err(got, expected), tol=0.02)
+    q, k, v, cache, meta = _attention_batch([(0, 2048)] * 2)
+    got = triton_backend.forward(q, k, v, cache, meta, 0, 512, scale)
+    expected = torch_backend.forward(q, k, v, cache, meta, 0, 512, scale)
+    report("attn prefill 2x2048 window 512", bench(lambda: triton_backend.forward(q, k, v, cache, meta, 0, 512, scale)),
+           err=max_err(got, expected), tol=0.02)
+
+
+def check_sampling(quick: bool) -> None:
+    from surge.kernels.sampling import TopKTopPSampler, sample_reference
+
+    sampler = TopKTopPSampler(torch.device("cuda"))
+    modes = {"greedy": (0.0, 0, 1.0), "temperature 1": (1.0, 0, 1.0), "top_k 50": (1.0, 50, 1.0),
+             "top_p 0.9": (1.0, 0, 0.9), "top_k 50 + top_p 0.95": (0.8, 50, 0.95)}
+    for b in ((1, 256) if quick else (1, 64, 256)):
+        # "peaked": a few clear favourites over a wide tail, as LLM logits mostly are; "flat": a wide Gaussian,
+        # where top-p keeps thousands of tokens (more candidates than the scratch holds at large batches).
+        peaked = torch.randn(b, VOCAB, device="cuda") * 2
+        peaked.scatter_add_(1, torch.randint(0, VOCAB, (b, 16), device="cuda"),
+                            torch.rand(b, 16, device="cuda") * 6 + 10)
+        for dist, logits in (("peaked", peaked), ("flat", torch.randn(b, VOCAB, device="cuda") * 4)):
+            noise = torch.empty_like(logits).exponential_()
+            for mode, (temp, k, p) in modes.items():
+                if dist == "flat" and mode in ("greedy", "temperature 1"):
+                    continue
+                temperature = torch.full((b,), temp, device="cuda")
+                top_k = torch.full((b,), k, dtype=torch.int32, device="cuda")
+                top_p = torch.full((b,), p, device="cuda")
+
+                def run():
+                    return sampler(logits, temperature, top_k, top_p, noise, max_batch=b, max_k=VOCAB)
+
+                got = run()
+                launch = sampler.dispatch(max_batch=b, vocab_size=VOCAB, max_k=VOCAB, dtype=logits.dtype).launch
+                expected = sample_reference(logits, temperature, top_k, top_p, noise, launch.weight_bits)
+                mismatches = int((got != expected).sum())
+                nbytes = logits.numel() * 4 * (1 if temp == 0.0 else 2)
+                report(f"sample b={b} {dist} {mode}", bench(run), nbytes=nbytes, err=float(mismatches), tol=0.0,
+                       extra="(err: rows unlike the reference)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer batch sizes")
+    parser.add_argument("--only", choices=["layers", "attention", "sampling"], help="one group of kernels")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels needs a CUDA device (on the CPU: TRITON_INTERPRET=1 pytest tests/kernels)")
+    torch.manual_seed(0)
+    ceilings()
+    if args.only in (None, "layers"):
+        check_norm_rotary_activation()
+    if args.only in (None, "attention"):
+        check_attention(args.quick)
+    if args.only in (None, "sampling"):
+        check_sampling(args.quick)
+    if failures:
+        sys.exit(f"FAILED: {', '.join(failures)}")
+    print("# all checks passed")
+
+
+if __name__ == "__main__":
+    main()

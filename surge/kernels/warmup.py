@@ -1,0 +1,96 @@
+"""Kernel wrappers that remember which launch keys they compiled, and `compile_many` to compile a warm-up set.
+
+Warm-up keys come from the wrapper's own `dispatch` (the function the runtime calls before each launch), so warm-up
+and runtime cannot disagree about what a variant is. Compilation is serial unless a kernel opts in.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Hashable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar
+
+from surge.logger import init_logger
+
+logger = init_logger(__name__)
+
+DEFAULT_MAX_WORKERS = 4
+
+
+class CompiledKernel:
+    """Base for a kernel wrapper: subclasses define `dispatch(...) -> key` (a hashable launch key, e.g. a frozen
+    dataclass of dtypes, shapes and launch policy) and `compile(key)`, which compiles that variant without running
+    it. The runtime calls `ensure(key)` before launching; a key first seen after warm-up logs a warning, since its
+    compile then lands inside a request (or inside a CUDA graph capture)."""
+
+    # Triton's compiler releases the GIL for most of its work, so threads overlap; kernels opt in once their
+    # compile path is known to be thread-safe.
+    parallel_compile: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._compiled: dict[Hashable, object] = {}
+        self._lock = threading.Lock()
+        self._warmed_up = False
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def compile(self, key: Hashable) -> object:
+        raise NotImplementedError
+
+    def is_compiled(self, key: Hashable) -> bool:
+        return key in self._compiled
+
+    def ensure(self, key: Hashable) -> None:
+        """Called on the launch path. The launch itself compiles a missing variant (Triton's JIT); this records
+        the key and warns when warm-up missed it."""
+        if key in self._compiled:
+            return
+        with self._lock:
+            if key in self._compiled:
+                return
+            if self._warmed_up:
+                logger.warning("%s: compiling %r for the first time after warm-up; add it to the warm-up keys",
+                               self.name, key)
+            self._compiled[key] = None
+
+    def compile_many(self, keys: Iterable[Hashable], max_workers: int = DEFAULT_MAX_WORKERS) -> int:
+        """Compiles every key not compiled yet (duplicates once); returns how many were compiled.
+
+        Parallel (at most `max_workers` threads) only when the kernel sets `parallel_compile`."""
+        if max_workers < 1:
+            raise ValueError(f"max_workers={max_workers!r} must be >= 1")
+        unique = list(dict.fromkeys(keys))
+        missing = [k for k in unique if k not in self._compiled]
+        start = time.perf_counter()
+        workers = min(max_workers, len(missing), os.cpu_count() or 1) if self.parallel_compile else 1
+        results = self._compile_all(missing, workers)
+        write_back(self._compiled, missing, results)
+        self._warmed_up = True
+        if missing:
+            logger.info("%s: compiled %d variant(s) (%d already compiled) in %.2f s with %d worker(s)", self.name,
+                        len(missing), len(unique) - len(missing), time.perf_counter() - start, workers)
+        return len(missing)
+
+    def _compile_all(self, keys: Sequence[Hashable], workers: int) -> list[tuple[Hashable, object]]:
+        if workers <= 1:
+            return [self._compile_keyed(k) for k in keys]
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"compile-{self.name}") as pool:
+            return list(pool.map(self._compile_keyed, keys))
+
+    def _compile_keyed(self, key: Hashable) -> tuple[Hashable, object]:
+        return key, self.compile(key)
+
+
+def write_back(cache: dict, keys: Sequence[Hashable], results: Sequence[tuple[Hashable, object]]) -> None:
+    """Stores results in `cache`, pairing them with `keys` strictly: a missing or extra result, or a result whose
+    key is not the one asked for at its position, raises instead of filing an artifact under the wrong key."""
+    pairs = []
+    for key, (result_key, artifact) in zip(keys, results, strict=True):
+        if result_key != key:
+            raise RuntimeError(f"compile result for {result_key!r} came back in the slot of {key!r}")
+        pairs.append((key, artifact))
+    cache.update(pairs)

@@ -1,0 +1,189 @@
+"""Triton paged attention and KV write against TorchAttentionBackend and a dense float64 reference: mixed batches of
+decode rows and prefill chunks with cached context, GQA, sliding windows, NaN in every slot nobody wrote."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from surge.attention.backend import AttentionMetadata
+from surge.attention.torch_backend import TorchAttentionBackend
+
+# (context tokens already cached, new tokens this step) per request
+MIXED = [(0, 1), (16, 1), (38, 1), (0, 7), (21, 12), (5, 33)]
+DECODE = [(0, 1), (16, 1), (38, 1), (70, 1)]
+
+
+def _batch(requests, block_size, num_q_heads, num_kv_heads, head_dim, dtype, device, seed):
+    """Random q/k/v for the new tokens, a cache holding every request's context (blocks scattered, null block 0
+    never used) with NaN everywhere else, and the step's metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(math.ceil((c + n) / block_size) for c, n in requests)
+    num_blocks = 1 + len(requests) * max_blocks
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(requests), max_blocks, dtype=torch.int32)
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    full_k, full_v, slots, qsl = [], [], [], [0]
+    for r, (ctx, new) in enumerate(requests):
+        blocks = [order.pop() for _ in range(math.ceil((ctx + new) / block_size))]
+        tables[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        kv = torch.randn(2, ctx + new, num_kv_heads, head_dim, generator=gen).to(dtype)
+        full_k.append(kv[0])
+        full_v.append(kv[1])
+        for p in range(ctx + new):
+            slot = blocks[p // block_size] * block_size + p % block_size
+            if p < ctx:
+                cache.view(2, -1, num_kv_heads, head_dim)[:, slot] = kv[:, p]
+            else:
+                slots.append(slot)
+        qsl.append(qsl[-1] + new)
+    num_tokens = qsl[-1]
+    q = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen).to(dtype)
+    k_new = torch.cat([fk[c:] for fk, (c, _) in zip(full_k, requests)])
+    v_new = torch.cat([fv[c:] for fv, (c, _) in zip(full_v, requests)])
+    seq_lens = [c + n for c, n in requests]
+    meta = AttentionMetadata(
+        num_reqs=len(requests), num_tokens=num_tokens, query_start_loc=qsl, seq_lens=seq_lens,
+        max_query_len=max(n for _, n in requests), max_seq_len=max(seq_lens),
+        slot_mapping=[torch.tensor(slots, dtype=torch.int64, device=device)], block_tables=[tables.to(device)],
+        query_start_loc_t=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=device))
+    return (q.to(device), k_new.to(device), v_new.to(device), cache.to(device), meta, full_k, full_v)
+
+
+def _dense_reference(q, full_k, full_v, requests, window, scale):
+    """Per request, per query: explicit softmax over visible positions, in float64."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // full_k[0].shape[1]
+    t = 0
+    for (ctx, new), keys, values in zip(requests, full_k, full_v):
+        keys = keys.double().repeat_interleave(group, dim=1)
+        values = values.double().repeat_interleave(group, dim=1)
+        for i in range(new):
+            pos = ctx + i
+            lo = 0 if window is None else max(0, pos - window + 1)
+            scores = torch.einsum("hd,khd->hk", q[t].double().cpu(), keys[lo:pos + 1]) * scale
+            out[t] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[lo:pos + 1])
+            t += 1
+    return out
+
+
+def _run_triton(q, k, v, cache, meta, window, scale, num_sms=None):
+    from surge.attention.triton_backend import TritonAttentionBackend
+
+    backend = TritonAttentionBackend()
+    if num_sms is not None:
+        from surge.kernels.attention import PagedAttention
+        backend._kernels[q.device] = PagedAttention(q.device, num_sms)
+    return backend.forward(q, k, v, cache, meta, 0, window, scale)
+
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+CASES = [  # block_size, (Hq, Hkv), head_dim, window, dtype
+    (16, (4, 2), 32, None, torch.float32),
+    (4, (8, 2), 32, 9, torch.float32),
+    (16, (8, 2), 32, 20, torch.float16),
+    (4, (4, 2), 24, None, torch.float16),  # head_dim padded to a power of two
+    (16, (8, 2), 32, None, torch.bfloat16),
+    (4, (2, 2), 16, 5, torch.bfloat16),  # no GQA, window shorter than a block
+]
+
+
+@pytest.mark.parametrize("requests", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("block_size,heads,head_dim,window,dtype", CASES)
+def test_attention_matches_references(requests, block_size, heads, head_dim, window, dtype, device, request):
+    if dtype == torch.bfloat16:
+        request.getfixturevalue("require_bf16_dot")
+    q, k, v, cache, meta, full_k, full_v = _batch(requests, block_size, *heads, head_dim, dtype, device, seed=7)
+    scale = head_dim ** -0.5
+    zeroed = torch.nan_to_num(cache, nan=0.0)  # the torch backend reads masked slots: it needs a zeroed cache
+    expected = TorchAttentionBackend().forward(q, k, v, zeroed, meta, 0, window, scale)
+    got = _run_triton(q, k, v, cache, meta, window, scale)
+    assert not got.isnan().any(), "NaN from unwritten slots leaked into the output"
+    # The KV write put the new tokens exactly where the torch backend did; untouched slots kept their NaN.
+    assert torch.equal(torch.nan_to_num(cache, nan=0.0), zeroed)
+    dense = _dense_reference(q, full_k, full_v, requests, window, scale)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.double().cpu(), dense, atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2 * tol, rtol=2 * tol)
+
+
+@pytest.mark.parametrize("num_sms", [1, 8, 64])  # 1 split, a few, the maximum
+def test_split_kv_decode_matches_reference(num_sms, device):
+    requests = [(0, 1), (150, 1), (37, 1)]
+    q, k, v, cache, meta, full_k, full_v = _batch(requests, 16, 8, 2, 32, torch.float32, device, seed=3)
+    from surge.kernels.attention import launch_policy
+    splits = launch_policy(decode_only=True, num_seqs=3, num_q_heads=8, num_kv_heads=2, head_dim=32,
+                           dtype=torch.float32, num_sms=num_sms).num_splits
+    assert splits == {1: 1, 8: 8, 64: 16}[num_sms]
+    got = _run_triton(q, k, v, cache, meta, None, 32 ** -0.5, num_sms=num_sms)
+    dense = _dense_reference(q, full_k, full_v, requests, None, 32 ** -0.5)
+    torch.testing.assert_close(got.double().cpu(), dense, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("num_sms", [1, 132])  # without and with split-KV
+def test_padding_rows_of_a_graph_batch_are_harmless(num_sms, device):
+    """A CUDA-graph batch padded to its capture size: padding rows have seq_len 0 and slot -1. They write nothing,
+    read nothing, come out as zeros, and leave the real rows unchanged."""
+    requests = [(9, 1), (30, 1)]
+    q, k, v, cache, meta, full_k, full_v = _batch(requests, 16, 8, 2, 32, torch.float32, device, seed=5)
+    pad = 2
+    qp = torch.cat([q, torch.randn(pad, *q.shape[1:], device=device)])
+    kp, vp = (torch.cat([t, torch.randn(pad, *t.shape[1:], device=device)]) for t in (k, v))
+    meta.num_reqs, meta.num_tokens = 2 + pad, 2 + pad
+    meta.query_start_loc = [0, 1, 2, 3, 4]
+    meta.query_start_loc_t = torch.arange(5, dtype=torch.int32, device=device)
+    meta.seq_lens_t = torch.cat([meta.seq_lens_t, torch.zeros(pad, dtype=torch.int64, device=device)])
+    meta.slot_mapping = [torch.cat([meta.slot_mapping[0], torch.full((pad,), -1, device=device)])]
+    meta.block_tables = [torch.cat([meta.block_tables[0], torch.zeros_like(meta.block_tables[0][:pad])])]
+    before = cache.clone()
+    got = _run_triton(qp, kp, vp, cache, meta, None, 32 ** -0.5, num_sms=num_sms)
+    assert torch.equal(got[2:], torch.zeros_like(got[2:]))
+    # Only the real rows' k and v were written (2 tokens x {k, v} x 2 heads x 32 dims): the NaN fill elsewhere stays.
+    assert int((cache.isnan() != before.isnan()).sum()) == 2 * 2 * 2 * 32
+    dense = _dense_reference(q, full_k, full_v, requests, None, 32 ** -0.5)
+    torch.testing.assert_close(got[:2].double().cpu(), dense, atol=2e-5, rtol=2e-5)
+
+
+def test_kv_write_skips_negative_slots(device):
+    from surge.kernels.kv_cache import write_kv_cache
+
+    cache = torch.zeros(2, 3, 4, 2, 8, device=device)
+    kv = torch.randn(2, 3, 2, 8, device=device)
+    write_kv_cache(kv[0], kv[1], cache[0], cache[1], torch.tensor([5, -1, 11], device=device))
+    expected = torch.zeros(2, 12, 2, 8, device=device)
+    expected[:, 5], expected[:, 11] = kv[:, 0], kv[:, 2]
+    assert torch.equal(cache.view(2, 12, 2, 8), expected)
+
+
+def test_launch_policy_boundaries():
+    from surge.kernels.attention import MAX_SPLITS, PROGRAMS_PER_SM, launch_policy
+
+    def policy(**kw):
+        args = dict(decode_only=True, num_seqs=1, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                    dtype=torch.bfloat16, num_sms=132)
+        return launch_policy(**{**args, **kw})
+
+    # Splits stop once num_seqs * Hkv programs reach PROGRAMS_PER_SM * num_sms: 528 = 66 * 8.
+    assert PROGRAMS_PER_SM * 132 == 66 * 8
+    assert policy(num_seqs=65).num_splits == 2 and policy(num_seqs=66).num_splits == 1
+    assert policy(num_seqs=33).num_splits == 2 and policy(num_seqs=32).num_splits == 4  # 33*8*2 >= 528 > 32*8*2
+    assert policy(num_seqs=1).num_splits == MAX_SPLITS
+    assert policy(num_seqs=1, num_sms=1).num_splits == 1
+    # Head size 128 keeps 64-wide KV tiles, 129 halves them; fp32 halves them too.
+    assert policy(head_dim=128).block_n == 64 and policy(head_dim=129).block_n == 32
+    assert policy(dtype=torch.float32).block_n == 32 and policy(dtype=torch.float32).num_warps == 8
+    assert policy(decode_only=False, dtype=torch.float32).block_m == 16 and policy().num_warps == 4
+    # Decode tiles hold one token's group, padded to the MMA minimum of 16 rows: group 16 -> 16, group 17 -> 32.
+    assert policy(num_q_heads=16 * 8).block_m == 16 and policy(num_q_heads=17 * 8).block_m == 32
+    assert policy().block_q == 1
+    # Mixed batches: 64-row tiles, block_q tokens of the padded group; never split.
+    mixed = policy(decode_only=False, num_seqs=1)
+    assert (mixed.block_m, mixed.block_q, mixed.num_splits) == (64, 16, 1)
+    assert policy(decode_only=False, num_q_heads=64 * 8).block_q == 1
+    assert policy(decode_only=False, num_q_heads=65 * 8).block_m == 128
+    # Capacities only: the policy has no argument for sequence lengths.
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        policy(num_q_heads=30)
