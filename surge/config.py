@@ -174,11 +174,59 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Tensor parallelism over `nnodes` nodes, each running tensor_parallel_size / nnodes ranks; node 0 runs the
+    engine, the others run headless workers. Ranks meet at master_addr:master_port (torch.distributed)."""
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port, chosen at start-up (one node only)
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: only 1 is supported so far")
+        for name in ("tensor_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not (isinstance(self.node_rank, int) and 0 <= self.node_rank < self.nnodes):
+            raise ValueError(f"node_rank={self.node_rank!r} must be an integer in [0, nnodes={self.nnodes})")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not divide evenly across "
+                             f"nnodes={self.nnodes}: every node runs the same number of ranks")
+        if not (isinstance(self.master_addr, str) and self.master_addr):
+            raise ValueError(f"master_addr={self.master_addr!r} must be a host name or IP address")
+        if self.master_port is not None and not (isinstance(self.master_port, int) and 1 <= self.master_port <= 65535):
+            raise ValueError(f"master_port={self.master_port!r} must be an integer in [1, 65535]")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError(f"master_port is required when nnodes={self.nnodes}: every node must name the same "
+                             "master_addr and master_port")
+
+    @property
+    def local_world_size(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def in_process(self) -> bool:
+        """One rank: the engine runs the model itself, with no worker processes and no collectives."""
+        return self.tensor_parallel_size == 1
+
+    def check_model(self, model_config: ModelConfig) -> None:
+        """The model's heads and MLP must split evenly; KV heads split or are replicated (tp > num_kv_heads)."""
+        tp, cfg = self.tensor_parallel_size, model_config.hf_config
+        heads, kv_heads = cfg["num_attention_heads"], model_config.num_kv_heads
+        if heads % tp:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0 and _kv_heads_split(kv_heads, d)]
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's num_attention_heads={heads}; "
+                             f"choose one of {divisors}")
+        if not _kv_heads_split(kv_heads, tp):
+            raise ValueError(f"tensor_parallel_size={tp} and the model's num_key_value_heads={kv_heads}: one must "
+                             "divide the other (KV heads are split across ranks, or replicated when tp exceeds them)")
+        if cfg["intermediate_size"] % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's intermediate_size="
+                             f"{cfg['intermediate_size']}")
+
+
+def _kv_heads_split(kv_heads: int, tp: int) -> bool:
+    return kv_heads % tp == 0 if tp <= kv_heads else tp % kv_heads == 0
 
 
 @dataclass(frozen=True)
@@ -197,6 +245,7 @@ class EngineConfig:
                kv_cache_memory: int | None = None, memory_fraction: float = 0.9,
                num_gpu_blocks_override: int | None = None, max_num_batched_tokens: int | None = None,
                max_num_seqs: int = 128, enable_chunked_prefill: bool = True, tensor_parallel_size: int = 1,
+               nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int | None = None,
                seed: int = 0, preset: str | None = None, load_format: str = "auto",
                enforce_eager: bool = False) -> EngineConfig:
         if load_format not in ("auto", "safetensors", "dummy"):
@@ -220,6 +269,9 @@ class EngineConfig:
             model_config = ModelConfig.from_path(model, dtype, dev, max_model_len)
             if load_format == "dummy":
                 model_config = dataclasses.replace(model_config, load_format="dummy")
+        parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, nnodes=nnodes,
+                                         node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+        parallel_config.check_model(model_config)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, model_config.max_model_len)
         return EngineConfig(
@@ -230,7 +282,7 @@ class EngineConfig:
             scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=max_num_seqs, max_model_len=model_config.max_model_len,
                                              enable_chunked_prefill=enable_chunked_prefill),
-            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel_config=parallel_config,
             device=dev,
             seed=seed,
             enforce_eager=enforce_eager or dev.type != "cuda",

@@ -18,9 +18,22 @@ def _log_level() -> str:
     return os.environ.get("SURGE_LOG_LEVEL", "INFO").upper()
 
 
+def _api_key() -> str | None:
+    """SURGE_API_KEY: the key `surge serve` requires when --api-key is not given. Default: none (open)."""
+    return os.environ.get("SURGE_API_KEY") or None
+
+
+def _rank_timeout() -> float:
+    """SURGE_RANK_TIMEOUT: seconds the engine waits for its worker ranks to start, or to answer one step, before
+    it gives up on them (a rank that dies is noticed at once; this catches hangs). Default 900."""
+    return float(os.environ.get("SURGE_RANK_TIMEOUT", "900"))
+
+
 _GETTERS = {
+    "SURGE_API_KEY": _api_key,
     "SURGE_CACHE_DIR": _cache_dir,
     "SURGE_LOG_LEVEL": _log_level,
+    "SURGE_RANK_TIMEOUT": _rank_timeout,
 }
 
 

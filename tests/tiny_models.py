@@ -1,4 +1,5 @@
-"""Tiny random-weight HF models (Llama, Qwen3, hybrid Qwen3) saved as HF directories, for fast tests.
+"""Tiny random-weight HF models (Llama, Llama with one KV head, Qwen3, hybrid Qwen3) saved as HF directories,
+for fast tests.
 
 Built with transformers itself from a config, so the weights and the reference forward pass are HF's own.
 """
@@ -22,6 +23,8 @@ def tiny_config(kind: str):
         return LlamaConfig(**_COMMON, rope_theta=10000.0)
     if kind == "llama-tied":
         return LlamaConfig(**{**_COMMON, "tie_word_embeddings": True})
+    if kind == "llama-mqa":  # one KV head: tensor parallelism must replicate it
+        return LlamaConfig(**{**_COMMON, "num_key_value_heads": 1})
     if kind == "qwen3":
         return Qwen3Config(**_COMMON, rope_theta=1000000.0)
     if kind == "qwen3-hybrid":

@@ -30,6 +30,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # Requests finished since the last non-empty step: worker processes drop what they cached for them.
+    finished_ids: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -48,6 +50,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._finished_ids: list[str] = []
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -109,6 +112,8 @@ class Scheduler:
             if req.request_id in scheduled:
                 out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, scheduled[req.request_id],
                                                       self.kv.get_block_ids(req.request_id)))
+        if out.scheduled:  # an empty output is never executed, so it would lose them
+            out.finished_ids, self._finished_ids = self._finished_ids, []
         return out
 
     def _preempt(self, req: Request) -> None:
@@ -160,6 +165,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = status
+        self._finished_ids.append(request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:

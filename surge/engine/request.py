@@ -26,6 +26,15 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
+def sampling_generator(params: SamplingParams, device: torch.device | None) -> torch.Generator | None:
+    """The request's own RNG when it samples with a seed; None: it draws from the global RNG."""
+    if params.seed is None or params.greedy:
+        return None
+    generator = torch.Generator(device=device or "cpu")
+    generator.manual_seed(params.seed)
+    return generator
+
+
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
                  device: torch.device | None = None, arrival_time: float | None = None) -> None:
@@ -43,10 +52,7 @@ class Request:
         self.block_size = block_size
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
-        self.generator: torch.Generator | None = None
-        if params.seed is not None and not params.greedy:
-            self.generator = torch.Generator(device=device or "cpu")
-            self.generator.manual_seed(params.seed)
+        self.generator = sampling_generator(params, device)
         # Prompt positions whose logprobs were already returned (prompt logprobs are computed once).
         self.num_prompt_logprobs_done = 0
 

@@ -1,7 +1,9 @@
-"""ModelRunner: owns the model and its KV cache on one device; turns a SchedulerOutput into input tensors,
-attention metadata and logits, and samples.
+"""ModelRunner: owns the model (or this rank's shard of it) and its KV cache on one device; turns a
+SchedulerOutput into input tensors, attention metadata and logits, and samples.
 
 KV memory is sized from a budget: `kv_cache_memory` bytes, or a fraction of the memory free after the weights.
+With tensor parallelism every rank runs the same steps; the ranks agree on one block count, and only rank 0
+receives logits and samples.
 """
 from __future__ import annotations
 
@@ -12,14 +14,17 @@ import torch
 
 from surge.attention.backend import default_backend_name, get_backend
 from surge.config import EngineConfig
-from surge.core.kv_cache.spec import KVCacheConfig, build_kv_cache_groups
+from surge.core.kv_cache.spec import KVCacheConfig, KVCacheGroup, build_kv_cache_groups
 from surge.core.scheduler import SchedulerOutput
+from surge.distributed.parallel_state import get_tp_group
 from surge.logger import init_logger
+from surge.model.layers.linear import num_kv_heads_per_rank
 from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs
 from surge.model.loader.safetensors_loader import build_model, init_dummy_weights, iterate_safetensors, load_weights
 from surge.worker.cuda_graph import CUDAGraphRunner
 from surge.worker.step_inputs import StepInputs
-import surge.attention.torch_backend  # noqa: F401,I001  (registers the backend)
+import surge.attention.torch_backend  # noqa: F401,I001  (registers the backends)
+import surge.attention.triton_backend  # noqa: F401,I001
 
 logger = init_logger(__name__)
 
@@ -47,6 +52,13 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+def kv_cache_groups(config: EngineConfig) -> tuple[KVCacheGroup, ...]:
+    """The KV cache groups of one rank: its share of the KV heads (the block count is the same on every rank)."""
+    mc, cc = config.model_config, config.cache_config
+    kv_heads = num_kv_heads_per_rank(mc.num_kv_heads, config.parallel_config.tensor_parallel_size)
+    return build_kv_cache_groups(mc.layer_types, mc.sliding_window, cc.block_size, kv_heads, mc.head_dim, mc.dtype)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -61,6 +73,7 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) in %.2f s", mc.architecture, mc.dtype, self.device,
                     time.perf_counter() - start)
         self.sampler = Sampler()
+        self.samples = get_tp_group().rank == 0  # the rank that receives logits
         self.backend = get_backend(default_backend_name(self.device))
         self.kv_cache_config = self._size_kv_cache()
         self._allocate_kv_cache()
@@ -75,8 +88,7 @@ class ModelRunner:
 
     def _size_kv_cache(self) -> KVCacheConfig:
         mc, cc = self.config.model_config, self.config.cache_config
-        groups = build_kv_cache_groups(mc.layer_types, mc.sliding_window, cc.block_size, mc.num_kv_heads,
-                                       mc.head_dim, mc.dtype)
+        groups = kv_cache_groups(self.config)
         probe = KVCacheConfig(groups, num_blocks=2)
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
@@ -85,9 +97,10 @@ class ModelRunner:
                 budget = cc.kv_cache_memory
             else:
                 budget = int(available_memory(self.device) * cc.memory_fraction)
-                if self.device.type == "cpu":
-                    budget = min(budget, _CPU_DEFAULT_KV_BYTES)
+                if self.device.type == "cpu":  # the node's ranks share its RAM
+                    budget = min(budget, _CPU_DEFAULT_KV_BYTES) // self.config.parallel_config.local_world_size
             num_blocks = budget // probe.bytes_per_block + 1  # + the null block
+            num_blocks = get_tp_group().min_int(num_blocks)  # free memory differs a little from rank to rank
         capacity = (num_blocks - 1) * cc.block_size
         if capacity < mc.max_model_len:
             raise ValueError(
@@ -131,6 +144,7 @@ class ModelRunner:
             start = meta.query_start_loc[i]
             if s.samples:
                 sample_idx.append(meta.query_start_loc[i + 1] - 1)
+            if s.samples and self.samples:
                 p = req.params
                 history = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                 rows.append(SamplingRow(p, req.prompt_token_ids, req.output_token_ids if history else [],
@@ -143,8 +157,13 @@ class ModelRunner:
                                         [start + p - s.num_computed_tokens for p in range(lo, hi)],
                                         req.prompt_token_ids[lo + 1:hi + 1]))
                     req.num_prompt_logprobs_done = hi
+        logits = None  # stays None on ranks other than 0
         if sample_idx:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)]).float()
+            rows_hidden = hidden if len(sample_idx) == hidden.shape[0] else \
+                hidden[torch.tensor(sample_idx, device=self.device)]  # decode-only: every row samples, in order
+            logits = self.model.compute_logits(rows_hidden)
+        if logits is not None:
+            logits = logits.float()
             sampler_out = self.sampler(logits, rows)
             sampled = sampler_out.sampled_token_ids.tolist()
             has_lp = sampler_out.logprobs is not None
@@ -164,8 +183,10 @@ class ModelRunner:
                 j += 1
         for rid, first, idx, targets in prompt_rows:
             num = out_params_prompt_logprobs(out, rid)
-            logits = self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)]).float()
-            ids, lps, ranks = compute_token_logprobs(logits, torch.tensor(targets, device=self.device), num)
+            logits = self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)])
+            if logits is None:
+                continue
+            ids, lps, ranks = compute_token_logprobs(logits.float(), torch.tensor(targets, device=self.device), num)
             result.prompt_logprobs[rid] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
         return result
 

@@ -3,6 +3,9 @@ tables, sized by capacity. Each step fills a prefix; CUDA graphs capture views o
 """
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from surge.attention.backend import AttentionMetadata
@@ -21,40 +24,69 @@ class StepInputs:
                              for _ in range(num_groups)]
         self.seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
+        self._staging: torch.Tensor | None = None  # packed host inputs (pinned on CUDA), grown on demand
+        self._staging_dev: torch.Tensor | None = None
 
     def fill(self, out: SchedulerOutput) -> tuple[int, int, list[int], list[int]]:
-        """Copy a step's inputs into the buffers; returns (num_tokens, num_reqs, query_start_loc, seq_lens)."""
+        """Copy a step's inputs into the buffers; returns (num_tokens, num_reqs, query_start_loc, seq_lens).
+
+        Everything is packed into one int64 host array and crosses to the device in a single copy, then is
+        scattered into the typed buffers by device-side copies: per-step host work stays small at batch 1."""
         block_size = self.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_start_loc = [0]
-        seq_lens = []
-        for s in out.scheduled:
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            token_ids.extend(s.request.token_ids[start:end])
-            positions.extend(range(start, end))
-            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-        num_tokens, num_reqs = len(token_ids), len(out.scheduled)
-        pos_t = torch.tensor(positions, dtype=torch.int64)
-        req_of_token = torch.repeat_interleave(torch.arange(num_reqs),
-                                               torch.tensor([s.num_new_tokens for s in out.scheduled]))
-        pin = self.device.type == "cuda"
-        for g, (slots_buf, table_buf) in enumerate(zip(self.slot_mapping, self.block_tables)):
-            rows = [s.block_ids[g] for s in out.scheduled]
+        scheduled = out.scheduled
+        num_reqs = len(scheduled)
+        num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        seq_lens = starts + num_new
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        if num_tokens == num_reqs:  # decode-only: one token each, the last known one
+            token_ids = np.fromiter((s.request.token_ids[s.num_computed_tokens] for s in scheduled),
+                                    dtype=np.int64, count=num_reqs)
+            positions = starts
+            req_of_token = np.arange(num_reqs)
+        else:
+            token_ids = np.fromiter(itertools.chain.from_iterable(
+                s.request.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
+                for s in scheduled), dtype=np.int64, count=num_tokens)
+            req_of_token = np.repeat(np.arange(num_reqs), num_new)
+            positions = np.arange(num_tokens) - query_start_loc[req_of_token] + starts[req_of_token]
+        parts = [token_ids, positions, seq_lens, query_start_loc]
+        widths = []
+        for g in range(len(self.slot_mapping)):
+            rows = [s.block_ids[g] for s in scheduled]
             width = max(len(r) for r in rows)
-            table = torch.zeros(num_reqs, width, dtype=torch.int32, pin_memory=pin)
+            table = np.zeros((num_reqs, width), dtype=np.int64)
             for i, r in enumerate(rows):
-                table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-            slots = table[req_of_token, pos_t // block_size].long() * block_size + pos_t % block_size
-            slots_buf[:num_tokens].copy_(slots, non_blocking=True)
-            table_buf[:num_reqs, :width].copy_(table, non_blocking=True)
-        self.input_ids[:num_tokens].copy_(torch.tensor(token_ids, dtype=torch.int64), non_blocking=True)
-        self.positions[:num_tokens].copy_(pos_t, non_blocking=True)
-        self.seq_lens[:num_reqs].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
-        self.query_start_loc[:num_reqs + 1].copy_(torch.tensor(query_start_loc, dtype=torch.int32),
-                                                  non_blocking=True)
-        return num_tokens, num_reqs, query_start_loc, seq_lens
+                table[i, :len(r)] = r
+            slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
+            parts += [slots, table.reshape(-1)]
+            widths.append(width)
+        packed = np.concatenate(parts)
+        if self._staging is None or self._staging.numel() < packed.size:
+            pin = self.device.type == "cuda"
+            self._staging = torch.empty(max(packed.size, 1 << 16), dtype=torch.int64, pin_memory=pin)
+            self._staging_dev = torch.empty(self._staging.numel(), dtype=torch.int64, device=self.device)
+        host = self._staging[:packed.size]
+        host.numpy()[:] = packed
+        dev = self._staging_dev[:packed.size]
+        dev.copy_(host, non_blocking=True)
+        o = 0
+
+        def take(n: int) -> torch.Tensor:
+            nonlocal o
+            o += n
+            return dev[o - n:o]
+
+        self.input_ids[:num_tokens].copy_(take(num_tokens))
+        self.positions[:num_tokens].copy_(take(num_tokens))
+        self.seq_lens[:num_reqs].copy_(take(num_reqs))
+        self.query_start_loc[:num_reqs + 1].copy_(take(num_reqs + 1))
+        for g, width in enumerate(widths):
+            self.slot_mapping[g][:num_tokens].copy_(take(num_tokens))
+            self.block_tables[g][:num_reqs, :width].copy_(take(num_reqs * width).view(num_reqs, width))
+        return num_tokens, num_reqs, query_start_loc.tolist(), seq_lens.tolist()
 
     def pad_decode(self, num_reqs: int, padded: int) -> None:
         """Rows num_reqs..padded of a captured decode graph: one token each, in the null block, context 1.

@@ -18,12 +18,17 @@ def test_capture_sizes_cover_every_batch(max_num_seqs):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_matches_eager():
-    from surge import LLM, SamplingParams
-    prompts = [[5 + i, 6, 7, 8, 9] * (i + 1) for i in range(5)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    eager = LLM(preset="tiny-llama", load_format="dummy", enforce_eager=True, skip_tokenizer_init=True)
-    graphs = LLM(preset="tiny-llama", load_format="dummy", skip_tokenizer_init=True)
-    assert graphs.engine.runner.graph_runner is not None
-    a = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    b = [o.outputs[0].token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
-    assert a == b
+    from surge.bench.common import run_engine
+    from surge.config import EngineConfig
+    from surge.engine.core import EngineCore
+
+    def engine(enforce_eager: bool) -> EngineCore:
+        return EngineCore(EngineConfig.create(preset="tiny-qwen3-hybrid", load_format="dummy", device="cuda",
+                                              enforce_eager=enforce_eager, max_num_seqs=16, max_model_len=512))
+
+    # Mixed lengths, more requests than some capture sizes: padding rows must not disturb real ones.
+    workload = [([100 + i] * (5 + 7 * i), 24) for i in range(11)]
+    graphs = engine(False)
+    assert graphs.runner.graph_runner is not None
+    assert run_engine(engine(True), workload, show_progress=False) == run_engine(graphs, workload,
+                                                                                 show_progress=False)

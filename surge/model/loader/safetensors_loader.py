@@ -49,7 +49,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         if param_name not in params:
             raise ValueError(f"{source}: checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         param = params[param_name]
-        tensor = tensor.to(device=param.device, dtype=param.dtype)
+        # Loaders copy (converting dtype and device) only this rank's slice: the full tensor stays where it was read.
         loader = getattr(param, "weight_loader", None)
         try:
             if loader is None:

@@ -10,8 +10,8 @@ from torch import nn
 from surge.attention.backend import AttentionMetadata
 from surge.model.layers.activation import SiluAndMul
 from surge.model.layers.attention import Attention
-from surge.model.layers.embedding import LMHead, VocabEmbedding
-from surge.model.layers.linear import Linear, MergedLinear
+from surge.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from surge.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from surge.model.layers.norm import RMSNorm
 from surge.model.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -21,14 +21,16 @@ class DecoderAttention(nn.Module):
                  rotary: RotaryEmbedding) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
-        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        total_heads = cfg["num_attention_heads"]
+        total_kv_heads = cfg.get("num_key_value_heads") or total_heads
+        self.head_dim = cfg.get("head_dim") or hidden // total_heads
         attention_bias = bool(cfg.get("attention_bias", False))  # Llama: bias on q, k, v and o
-        self.qkv_proj = MergedLinear(hidden, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                                     bias=qkv_bias or attention_bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=attention_bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads,
+                                          bias=qkv_bias or attention_bias)
+        # This rank's heads: all of them with one rank.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=attention_bias)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
@@ -52,8 +54,8 @@ class DecoderAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, {0: intermediate, 1: intermediate}, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, {0: intermediate, 1: intermediate}, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,13 +101,13 @@ class LlamaForCausalLM(nn.Module):
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
         rotary = RotaryEmbedding(head_dim, max_position, rope_parameters(cfg))
-        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], hidden)
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, layer_types[i], sliding_window, self.qkv_bias, self.qk_norm, rotary)
             for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.lm_head = LMHead(cfg["vocab_size"], hidden)
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], hidden)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -121,7 +123,8 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [n, V]; with tensor parallelism on rank 0 only (None elsewhere)."""
         return self.lm_head(hidden)
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, str | int | None] | None:

@@ -1,0 +1,275 @@
+"""Executors: run a SchedulerOutput on the model and return what was sampled.
+
+One rank: the ModelRunner itself, in the engine's process (no extra process, no serialization). Tensor
+parallelism: a MultiprocExecutor starts one worker process per local rank (NodeLauncher), writes each step into
+a shared-memory ring that every local rank reads, and reads the result that rank 0 writes back. Nodes other than
+0 run `run_headless`: their launcher starts their ranks, whose leader relays node 0's steps.
+
+The launcher watches its processes: a rank that dies ends the engine with an error naming it; shutdown (also at
+exit, or when the executor is collected) stops every rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import msgspec
+import torch
+
+from surge import envs
+from surge.config import EngineConfig
+from surge.core.kv_cache.spec import KVCacheConfig
+from surge.core.scheduler import SchedulerOutput
+from surge.distributed.ranks import global_rank
+from surge.distributed.shm_broadcast import ShmRing
+from surge.logger import init_logger
+from surge.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_groups
+from surge.worker.step_message import StepEncoder, StepResult
+from surge.worker.worker import PEER_LOST_EXIT, WorkerArgs, WorkerReady
+
+logger = init_logger(__name__)
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker rank exited: the engine cannot continue (every rank holds part of the model)."""
+
+
+def create_executor(config: EngineConfig) -> ModelRunner | MultiprocExecutor:
+    """Both answer `execute(scheduler_output)` and `kv_cache_config`."""
+    if config.parallel_config.in_process:
+        return ModelRunner(config)
+    return MultiprocExecutor(config)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    if code == PEER_LOST_EXIT:
+        return "lost contact with another rank (a rank on another node died or is unreachable)"
+    return f"exited with code {code}"
+
+
+class NodeLauncher:
+    """Starts this node's ranks, waits until each is ready, and watches them."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        pc = config.parallel_config
+        self.node_rank, local = pc.node_rank, pc.local_world_size
+        self.procs: dict[int, subprocess.Popen] = {}  # global rank -> process
+        self._closed = False
+        self._failure: WorkerDiedError | None = None
+        # Node 0: the driver writes, every local rank reads. Other nodes: the leader writes, the others read.
+        readers = local if self.node_rank == 0 else local - 1
+        self.step_ring = ShmRing.create(readers) if readers else None
+        self.result_ring = ShmRing.create(1, reader=0) if self.node_rank == 0 else None
+        ready_fds: dict[int, int] = {}
+        try:
+            for local_rank in range(local):
+                rank = global_rank(self.node_rank, local_rank, local)
+                relay = self.node_rank > 0 and local_rank == 0
+                ring = None if relay else self.step_ring
+                reader = None if relay else (local_rank if self.node_rank == 0 else local_rank - 1)
+                read_fd, write_fd = os.pipe()
+                ready_fds[rank] = read_fd
+                args = WorkerArgs(config=config, rank=rank, local_rank=local_rank, parent_pid=os.getpid(),
+                                  ready_fd=write_fd, step_ring=ring.handle if ring else None, step_reader=reader,
+                                  relay_ring=self.step_ring.handle if relay and self.step_ring else None,
+                                  result_ring=self.result_ring.handle if rank == 0 else None)
+                self.procs[rank] = self._spawn(args, write_fd)
+            self.num_blocks = self._wait_ready(ready_fds, envs.SURGE_RANK_TIMEOUT)
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            for fd in ready_fds.values():
+                os.close(fd)
+        for ring in (self.step_ring, self.result_ring):
+            if ring is not None:
+                ring.unlink()  # every rank has attached: the name is no longer needed
+        logger.info("node %d: ranks %s ready (pids %s)", self.node_rank, list(self.procs),
+                    [p.pid for p in self.procs.values()])
+
+    @staticmethod
+    def _spawn(args: WorkerArgs, write_fd: int) -> subprocess.Popen:
+        # A fresh interpreter (not multiprocessing's spawn), so user scripts need no `if __name__ == "__main__"`.
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", "from surge.worker.worker import run; run()"],
+                                    stdin=subprocess.PIPE, pass_fds=(write_fd,), env=env)
+        finally:
+            os.close(write_fd)
+        proc.stdin.write(pickle.dumps(args))
+        proc.stdin.close()
+        return proc
+
+    def _wait_ready(self, ready_fds: dict[int, int], timeout: float) -> int:
+        decoder = msgspec.msgpack.Decoder(WorkerReady)
+        pending = dict(ready_fds)
+        num_blocks = 0
+        deadline = time.monotonic() + timeout
+        while pending:
+            readable, _, _ = select.select(list(pending.values()), [], [], 0.1)
+            for rank, fd in list(pending.items()):
+                if fd not in readable:
+                    continue
+                data = os.read(fd, 1 << 16)
+                if not data:  # closed without a word: the process died; check() below names it
+                    continue
+                ready = decoder.decode(data)
+                if ready.error is not None:
+                    self.fail(f"tensor-parallel rank {rank} failed to start: {ready.error}")
+                num_blocks = num_blocks or ready.num_blocks
+                del pending[rank]
+            self.check()
+            if time.monotonic() > deadline:
+                self.fail(f"ranks {sorted(pending)} did not start within {timeout:.0f} s (SURGE_RANK_TIMEOUT)")
+        return num_blocks
+
+    def check(self) -> None:
+        """Raise WorkerDiedError, naming the rank, once any rank has exited."""
+        if self._failure is not None:
+            raise self._failure
+        dead = {rank: p.returncode for rank, p in self.procs.items() if p.poll() is not None}
+        if not dead:
+            return
+        time.sleep(0.1)  # a rank that lost its peer exits right after the peer: report them together
+        dead = {rank: p.returncode for rank, p in self.procs.items() if p.poll() is not None}
+        culprits = [r for r, code in dead.items() if code != PEER_LOST_EXIT] or list(dead)
+        lines = [f"tensor-parallel rank {r} (pid {self.procs[r].pid}) {_describe_exit(dead[r])}" for r in culprits]
+        others = sorted(set(dead) - set(culprits))
+        if others:
+            lines.append(f"ranks {others} then stopped because they lost it")
+        self.fail("; ".join(lines) + "; the engine stops")
+
+    def fail(self, message: str) -> None:
+        logger.error("%s", message)
+        self._failure = WorkerDiedError(message)
+        self.shutdown(graceful=False)
+        raise self._failure
+
+    def wait(self) -> None:
+        """Headless nodes: block until the ranks exit; raise if one failed."""
+        while any(p.poll() is None for p in self.procs.values()):
+            time.sleep(0.2)
+            if any(p.returncode not in (None, 0) for p in self.procs.values()):
+                self.check()
+        if any(p.returncode != 0 for p in self.procs.values()):
+            self.check()
+
+    def shutdown(self, graceful: bool = True, timeout: float = 5.0) -> None:
+        """Stop every rank (a graceful stop was already requested through the ring, or is not needed)."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + (timeout if graceful else 0.5)
+        for p in self.procs.values():
+            while p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for ring in (self.step_ring, self.result_ring):
+            if ring is not None:
+                ring.unlink()
+                ring.close()
+
+
+class MultiprocExecutor:
+    """Node 0's view of a tensor-parallel engine: steps go out through shared memory, results come from rank 0."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        pc = config.parallel_config
+        if pc.master_port is None:
+            config = dataclasses.replace(config, parallel_config=dataclasses.replace(pc, master_port=_free_port()))
+        self.config = config
+        self.launcher = NodeLauncher(config)
+        self.kv_cache_config = KVCacheConfig(kv_cache_groups(config), self.launcher.num_blocks)
+        self._encoder = StepEncoder()
+        self._decoder = msgspec.msgpack.Decoder(StepResult)
+        self._result_pending = False  # a step went out whose result was not read (an interrupted wait)
+        self._finalizer = weakref.finalize(self, _stop, self.launcher, self._encoder)
+        self._model: torch.nn.Module | None = None
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        launcher = self.launcher
+        launcher.check()
+        timeout = envs.SURGE_RANK_TIMEOUT
+        if self._result_pending:
+            launcher.result_ring.read(check=launcher.check, timeout=timeout)
+            self._result_pending = False
+        launcher.step_ring.write(self._encoder.encode(out), check=launcher.check, timeout=timeout)
+        self._result_pending = True
+        data = self._read_result(timeout)
+        self._result_pending = False
+        return self._decoder.decode(data).to_output()
+
+    def _read_result(self, timeout: float) -> bytes:
+        try:
+            return self.launcher.result_ring.read(check=self.launcher.check, timeout=timeout)
+        except TimeoutError:
+            self.launcher.fail(f"rank 0 did not answer a step within {timeout:.0f} s (SURGE_RANK_TIMEOUT); a rank "
+                                "is hung, or one on another node died")
+            raise
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The whole model on the meta device: shapes and parameter counts for reports; the weights live in the
+        workers."""
+        if self._model is None:
+            from surge.model.loader.safetensors_loader import build_model
+            self._model = build_model(self.config.model_config, torch.device("meta"))
+        return self._model
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _stop(launcher: NodeLauncher, encoder: StepEncoder) -> None:
+    """Ask the ranks to stop through the ring (they relay it to other nodes), then make sure they did."""
+    if launcher._failure is None and not launcher._closed:
+        try:
+            launcher.step_ring.write(encoder.encode_shutdown(), check=launcher.check, timeout=2.0)
+        except Exception:  # full, or a rank is gone: the launcher terminates them instead
+            pass
+    launcher.shutdown()
+
+
+def run_headless(config: EngineConfig) -> int:
+    """A node other than 0: start this node's ranks and serve node 0's engine until it stops."""
+    pc = config.parallel_config
+    if pc.node_rank == 0:
+        raise ValueError("run_headless is for nodes other than 0; node 0 runs the engine")
+    launcher = NodeLauncher(config)
+    logger.info("node %d of %d: ranks %s serve the engine on %s:%s until it stops", pc.node_rank, pc.nnodes,
+                list(launcher.procs), pc.master_addr, pc.master_port)
+    try:
+        launcher.wait()
+    finally:
+        launcher.shutdown()
+    return 0

@@ -1,0 +1,72 @@
+"""The rank mapping every component shares, and the parallel settings refused by name before anything starts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from surge.config import ModelConfig, ParallelConfig
+from surge.distributed.ranks import (global_rank, local_world_size, node_and_local_rank, node_leader_ranks,
+                                     node_ranks)
+
+
+def test_tp8_over_two_nodes():
+    local = local_world_size(8, 2)
+    assert local == 4
+    assert list(node_ranks(0, local)) == [0, 1, 2, 3]
+    assert list(node_ranks(1, local)) == [4, 5, 6, 7]
+    assert [global_rank(1, i, local) for i in range(4)] == [4, 5, 6, 7]
+    assert node_leader_ranks(2, local) == [0, 4]
+
+
+def test_inverse_covers_every_rank_once():
+    for world, nnodes in [(1, 1), (2, 1), (2, 2), (8, 2), (8, 4), (6, 3)]:
+        local = local_world_size(world, nnodes)
+        seen = []
+        for node in range(nnodes):
+            for i in range(local):
+                rank = global_rank(node, i, local)
+                assert node_and_local_rank(rank, local) == (node, i)
+                seen.append(rank)
+        assert sorted(seen) == list(range(world))
+
+
+def test_bad_ranks_are_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide evenly across nnodes=2"):
+        local_world_size(3, 2)
+    with pytest.raises(ValueError, match="local_rank=4"):
+        global_rank(1, 4, 4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size=0 must be a positive integer"),
+    (dict(nnodes=0), "nnodes=0 must be a positive integer"),
+    (dict(tensor_parallel_size=3, nnodes=2, master_port=29500), "tensor_parallel_size=3 does not divide evenly"),
+    (dict(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=29500), r"node_rank=2 must be .* nnodes=2"),
+    (dict(tensor_parallel_size=2, nnodes=2), "master_port is required when nnodes=2"),
+    (dict(tensor_parallel_size=2, master_port=70000), "master_port=70000"),
+    (dict(tensor_parallel_size=2, master_addr=""), "master_addr=''"),
+])
+def test_parallel_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**kwargs)
+
+
+def _model(heads: int, kv_heads: int, intermediate: int = 144) -> ModelConfig:
+    cfg = dict(architectures=["LlamaForCausalLM"], hidden_size=heads * 16, num_hidden_layers=2,
+               num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=100,
+               intermediate_size=intermediate)
+    return ModelConfig.from_hf_config("m", cfg, {}, "float32", torch.device("cpu"))
+
+
+def test_model_must_split_over_ranks():
+    # The default model (SmolLM2-135M) has 9 heads and 3 KV heads: tp=2 cannot split it, tp=3 can.
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide .*num_attention_heads=9; "
+                                         r"choose one of \[1, 3, 9\]"):
+        ParallelConfig(tensor_parallel_size=2).check_model(_model(9, 3))
+    ParallelConfig(tensor_parallel_size=3).check_model(_model(9, 3))
+    ParallelConfig(tensor_parallel_size=9).check_model(_model(9, 3))  # 3 ranks share each KV head
+    ParallelConfig(tensor_parallel_size=4).check_model(_model(4, 1))
+    with pytest.raises(ValueError, match="num_key_value_heads=4"):  # 6 ranks cannot share 4 KV heads evenly
+        ParallelConfig(tensor_parallel_size=6).check_model(_model(12, 4, intermediate=120))
+    with pytest.raises(ValueError, match="intermediate_size=130"):
+        ParallelConfig(tensor_parallel_size=4).check_model(_model(4, 2, intermediate=130))
