@@ -12,3 +12,23 @@ def default_model_dir() -> Path:
     from surge.model.loader.default_model import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with a ChatML chat template (its byte tokenizer has none of its own)."""
+    from remote_server import add_chat_template
+    from tiny_models import make_tiny_model
+
+    return add_chat_template(make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir):
+    """`surge serve` on the tiny model, started once per session; API key "test-key", names tiny and tiny-alias."""
+    from remote_server import RemoteServer
+
+    args = ("--served-model-name", "tiny", "tiny-alias", "--max-model-len", "512", "--kv-cache-memory",
+            str(32 << 20))
+    with RemoteServer(tiny_model_dir, *args, api_key="test-key") as server:
+        yield server

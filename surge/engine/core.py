@@ -1,7 +1,7 @@
 """EngineCore: the busy loop's body. Each step schedules, executes the model and updates request state,
 returning per-request outputs (token ids and logprobs; text is the front end's job).
 
-`surge.LLM` drives it in-process; the server will drive the same class in its own process over ZMQ.
+`surge.LLM` drives it in-process; the server drives the same class in its own process (engine/core_proc.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from surge.core.kv_cache.manager import KVCacheManager
 from surge.core.scheduler import Scheduler
 from surge.engine.request import Request, RequestStatus
 from surge.logger import init_logger
-from surge.worker.model_runner import ModelRunner
+from surge.worker.executor import create_executor
 
 logger = init_logger(__name__)
 
@@ -30,11 +30,22 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: tuple[int, list[list[int]], list[list[float]], list[int]] | None = None
 
 
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """The core's load after a step, for metrics: gauges, and counters that only grow."""
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # share of KV blocks in use, 0..1
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config)
+        # A ModelRunner in this process (one rank), or a MultiprocExecutor driving worker ranks: same interface.
+        self.runner = create_executor(config)
         self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config,
                                                config.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
@@ -61,8 +72,24 @@ class EngineCore:
         for rid in request_ids:
             self.scheduler.finish_request(rid, status)
 
+    def shutdown(self) -> None:
+        """Stop worker ranks, if any (also done at exit, or when the engine is collected)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def request_ids(self) -> list[str]:
+        """Every request not finished yet, waiting or running."""
+        return list(self.scheduler.requests)
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                              kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_queries,
+                              prefix_cache_hits=kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions)
 
     def step(self) -> list[EngineCoreOutput]:
         sched_out = self.scheduler.schedule()

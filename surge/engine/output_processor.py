@@ -1,14 +1,34 @@
 """OutputProcessor: the front end's view of requests. Turns EngineCoreOutputs into RequestOutputs: detokenizes
-incrementally, finds stop strings, builds logprob dicts, and gathers the n samples of a request together.
+incrementally, finds stop strings, builds logprob dicts, gathers the n samples of a request together, and
+measures per-request latencies (time to first token, inter-token, end to end) for metrics.
 """
 from __future__ import annotations
 
+import enum
+import time
 from dataclasses import dataclass, field
 
 from surge.engine.core import EngineCoreOutput
 from surge.engine.detokenizer import IncrementalDetokenizer, decode_token
 from surge.outputs import CompletionOutput, Logprob, RequestOutput
 from surge.sampling_params import SamplingParams
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # each output holds everything so far (surge.LLM)
+    DELTA = "delta"  # only what is new since the previous output (streaming)
+    FINAL_ONLY = "final_only"  # one output, once finished
+
+
+@dataclass
+class IterationStats:
+    """What one batch of engine outputs did, for metrics."""
+    num_prompt_tokens: int = 0  # prompts of requests whose first token arrived
+    num_generation_tokens: int = 0
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latency: list[float] = field(default_factory=list)
+    e2e_latency: list[float] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -21,6 +41,9 @@ class SampleState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_emitted_tokens: int = 0  # DELTA outputs: tokens already handed out
+    finish_emitted: bool = False
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -31,6 +54,9 @@ class ParentState:
     samples: dict[str, SampleState]  # child request id -> state
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -44,7 +70,8 @@ class OutputProcessor:
         self.child_to_parent: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    children: list[tuple[str, SamplingParams]]) -> None:
+                    children: list[tuple[str, SamplingParams]], output_kind: OutputKind = OutputKind.CUMULATIVE,
+                    arrival_time: float | None = None) -> None:
         samples = {}
         for index, (child_id, params) in enumerate(children):
             samples[child_id] = SampleState(index, params,
@@ -53,19 +80,28 @@ class OutputProcessor:
                                             cumulative_logprob=0.0 if params.logprobs is not None else None)
             self.child_to_parent[child_id] = request_id
         want_prompt_lp = children[0][1].prompt_logprobs is not None
-        self.parents[request_id] = ParentState(request_id, prompt, list(prompt_token_ids), samples,
-                                               prompt_logprobs=[None] if want_prompt_lp else None)
+        self.parents[request_id] = ParentState(
+            request_id, prompt, list(prompt_token_ids), samples,
+            prompt_logprobs=[None] if want_prompt_lp else None, output_kind=output_kind,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated RequestOutputs and the child ids the core must stop (a stop string matched)."""
+    def process(self, outputs: list[EngineCoreOutput],
+                stats: IterationStats | None = None) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated RequestOutputs and the child ids the core must stop (a stop string matched).
+        Latencies and token counts go into `stats` when given."""
         touched: dict[str, ParentState] = {}
         to_stop = []
+        now = time.monotonic()
         for o in outputs:
             parent_id = self.child_to_parent.get(o.request_id)
             if parent_id is None:
                 continue  # aborted meanwhile
             parent = self.parents[parent_id]
             sample = parent.samples[o.request_id]
+            if sample.finish_reason is not None:
+                continue  # stopped by a stop string; the core sent this before it learned so
+            if stats is not None and o.new_token_ids:
+                self._record_token_times(parent, sample, len(o.new_token_ids), now, stats)
             parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
             if o.prompt_logprobs is not None and parent.prompt_logprobs is not None and sample.index == 0:
                 self._add_prompt_logprobs(parent, o.prompt_logprobs)
@@ -82,11 +118,37 @@ class OutputProcessor:
             if o.finish_reason is not None and sample.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = o.finish_reason, o.stop_reason
             touched[parent_id] = parent
-        results = [self._make_output(p) for p in touched.values()]
+        results = []
         for p in touched.values():
+            out = self._make_output(p)
+            if out is not None:
+                results.append(out)
             if p.finished:
                 self._forget(p)
+                if stats is not None:
+                    stats.e2e_latency.append(now - p.arrival_time)
+                    stats.finish_reasons.extend(s.finish_reason for s in p.samples.values())
         return results, to_stop
+
+    def fail(self, child_id: str) -> tuple[str, list[str]] | None:
+        """A child request failed in the engine: forget its parent; returns (parent id, the other child ids
+        for the core to abort), or None when the parent is already gone."""
+        parent_id = self.child_to_parent.get(child_id)
+        if parent_id is None:
+            return None
+        return parent_id, [c for c in self.abort(parent_id) if c != child_id]
+
+    @staticmethod
+    def _record_token_times(parent: ParentState, sample: SampleState, num_new: int, now: float,
+                            stats: IterationStats) -> None:
+        stats.num_generation_tokens += num_new
+        if parent.first_token_time is None:
+            parent.first_token_time = now
+            stats.time_to_first_token.append(now - parent.arrival_time)
+            stats.num_prompt_tokens += len(parent.prompt_token_ids)
+        elif sample.last_token_time is not None:
+            stats.inter_token_latency.append(now - sample.last_token_time)
+        sample.last_token_time = now
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a parent request; returns its child ids for the core to abort."""
@@ -117,14 +179,39 @@ class OutputProcessor:
         for row_ids, row_lps, rank in zip(ids, lps, ranks):
             parent.prompt_logprobs.append(self._logprob_dict(row_ids, row_lps, rank))
 
-    def _make_output(self, parent: ParentState) -> RequestOutput:
+    def _make_output(self, parent: ParentState) -> RequestOutput | None:
+        kind = parent.output_kind
+        if kind == OutputKind.FINAL_ONLY and not parent.finished:
+            return None
         outs = []
         for s in sorted(parent.samples.values(), key=lambda s: s.index):
+            if kind == OutputKind.DELTA:
+                out = self._delta(s)
+                if out is not None:
+                    outs.append(out)
+                continue
             outs.append(CompletionOutput(
                 index=s.index, text=s.detokenizer.output_text, token_ids=list(s.token_ids),
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+        if not outs:
+            return None
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids, outputs=outs, finished=parent.finished,
                              prompt_logprobs=parent.prompt_logprobs, num_cached_tokens=parent.num_cached_tokens)
+
+    @staticmethod
+    def _delta(s: SampleState) -> CompletionOutput | None:
+        """What is new in a sample since its previous DELTA output; None when nothing is (and no finish to tell)."""
+        finished = s.finish_reason is not None
+        text = s.detokenizer.get_next_delta(finished)
+        start = s.num_emitted_tokens
+        s.num_emitted_tokens = len(s.token_ids)
+        if not text and start == len(s.token_ids) and (not finished or s.finish_emitted):
+            return None
+        s.finish_emitted = finished
+        return CompletionOutput(index=s.index, text=text, token_ids=s.token_ids[start:],
+                                cumulative_logprob=s.cumulative_logprob,
+                                logprobs=s.logprobs[start:] if s.logprobs is not None else None,
+                                finish_reason=s.finish_reason, stop_reason=s.stop_reason)

@@ -9,30 +9,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from surge.config import EngineConfig
 from surge.engine.core import EngineCore
+from surge.engine.input_processor import InputProcessor, Message, Prompt, load_tokenizer
 from surge.engine.output_processor import OutputProcessor
 from surge.engine.request import Request, RequestStatus
 from surge.outputs import RequestOutput
 from surge.sampling_params import SamplingParams
-
-Prompt = str | list[int] | dict
-Message = dict
-
-
-def load_tokenizer(model_dir: str | Path):
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:  # transformers raises many types here; the user needs the directory and the cause
-        raise ValueError(f"model={str(model_dir)!r}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
 
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", **engine_kwargs) -> None:
         self.config = EngineConfig.create(model, dtype=dtype, **engine_kwargs)
         self.tokenizer = load_tokenizer(self.config.model_config.model)
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.engine = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -69,12 +60,8 @@ class LLM:
 
     def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True,
                     chat_template: str | None = None, **template_kwargs) -> list[int]:
-        if chat_template is None and not self.tokenizer.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                                  add_generation_prompt=add_generation_prompt, **template_kwargs)
-        # The template writes the special tokens (BOS ...) itself.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.input_processor.render_chat(conversation, add_generation_prompt, chat_template,
+                                                **template_kwargs)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -99,14 +86,9 @@ class LLM:
     def _add_request(self, prompt: Prompt, params: SamplingParams) -> str:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self.input_processor.tokenize(prompt)
         request_id = str(next(self._ids))
-        eos = self.config.model_config.eos_token_ids
-        children = []
-        for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
-            children.append((f"{request_id}-{i}" if params.n > 1 else request_id,
-                             params.clone(n=1, seed=seed, _eos_token_ids=eos)))
+        children = self.input_processor.fan_out(request_id, params)
         added = []
         try:
             for child_id, child_params in children:
@@ -118,19 +100,6 @@ class LLM:
             raise
         self.output_processor.add_request(request_id, text, token_ids, children)
         return request_id
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -25,6 +25,14 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--engine-seed", type=int, default=0, help="seed of the global RNG")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks the model is split over")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes the ranks are spread over (one launcher per node)")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's index; nodes other than 0 run headless "
+                   "workers until node 0's engine stops")
+    g.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, where the ranks meet")
+    g.add_argument("--master-port", type=int, default=None, help="port on node 0 where the ranks meet (required "
+                   "with --nnodes > 1; default: a free port)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -32,7 +40,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                 kv_cache_memory=args.kv_cache_memory, memory_fraction=args.memory_fraction,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                seed=args.engine_seed)
+                seed=args.engine_seed, tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+                node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:

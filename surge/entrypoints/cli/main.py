@@ -1,4 +1,4 @@
-"""The `surge` command: generate, chat, model-path, bench.
+"""The `surge` command: serve, generate, chat, model-path, bench.
 
 Heavy imports (torch, transformers) happen inside the subcommands, so `surge --help` answers at once.
 """
@@ -58,6 +58,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from surge import envs
+    from surge.entrypoints.openai.app import run_server
+    run_server(engine_kwargs(args), host=args.host, port=args.port, api_key=args.api_key or envs.SURGE_API_KEY,
+               served_model_names=args.served_model_name, log_level=args.log_level,
+               access_log=not args.no_access_log)
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from surge.bench.serve import run_serve_bench
+    run_serve_bench(args)
+    return 0
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from surge.bench.throughput import run_throughput
     run_throughput(args)
@@ -70,10 +85,34 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_headless_node(args: argparse.Namespace) -> int:
+    """--node-rank > 0: whatever the subcommand, this node only runs its ranks for node 0's engine."""
+    from surge.config import EngineConfig
+    from surge.worker.executor import run_headless
+    kwargs = engine_kwargs(args)
+    if getattr(args, "preset", None):  # bench subcommands: the same random-weight model as node 0
+        kwargs.update(model=None, preset=args.preset, load_format="dummy")
+    kwargs["enforce_eager"] = getattr(args, "enforce_eager", False)  # CUDA graphs must match node 0's
+    return run_headless(EngineConfig.create(**kwargs))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="surge", description="Surge: a compact, fast LLM inference engine")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API (completions, chat, responses)")
+    add_engine_args(p, model_positional=True)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $SURGE_API_KEY)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names clients use for the model (default: the model argument)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
+    g.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("model-path", help="print the default model's directory (preparing it if needed)")
     p.set_defaults(func=cmd_model_path)
@@ -102,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_latency_args(p)
     p.set_defaults(func=cmd_bench_latency)
+    from surge.bench.serve import add_serve_bench_args
+    p = bench.add_parser("serve", help="online benchmark against any OpenAI-compatible server")
+    add_serve_bench_args(p)
+    p.set_defaults(func=cmd_bench_serve)
     return parser
 
 
@@ -116,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "node_rank", 0) > 0:
+            return run_headless_node(args)
         return args.func(args)
     except ValueError as e:
         print(f"surge {args.command}: error: {e}", file=sys.stderr)

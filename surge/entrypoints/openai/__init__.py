@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: Completions, Chat Completions and Responses over one AsyncLLM."""

@@ -1,0 +1,167 @@
+"""The ASGI app (starlette, msgspec JSON) and `run_server`, which starts the engine, then uvicorn (uvloop,
+httptools). Every error is answered in OpenAI's shape; none of them stops the server.
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from surge.engine.async_llm import AsyncLLM
+from surge.entrypoints.openai.chat import ChatHandler
+from surge.entrypoints.openai.completions import CompletionsHandler
+from surge.entrypoints.openai.errors import APIError
+from surge.entrypoints.openai.metrics import PrometheusMetrics
+from surge.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                               DetokenizeResponse, ModelCard, ModelList, ResponsesRequest,
+                                               TokenizeRequest, TokenizeResponse, decode_request)
+from surge.entrypoints.openai.responses import ResponsesHandler
+from surge.entrypoints.openai.serving import ClientDisconnected, OpenAIServing, encode
+from surge.logger import init_logger
+from surge.version import __version__
+
+logger = init_logger(__name__)
+
+# Paths anyone may read without the API key: probes and scrapers.
+_OPEN_PATHS = ("/health", "/version", "/metrics")
+
+
+def _json(obj, status: int = 200) -> Response:
+    return Response(encode(obj), status_code=status, media_type="application/json")
+
+
+def _error(e: APIError) -> Response:
+    return _json(e.to_response(), e.status)
+
+
+class ApiKeyMiddleware:
+    """Bearer-token check in front of every path except the open ones (pure ASGI: streaming stays untouched)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "invalid API key: send it as 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+                await _error(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
+              metrics: PrometheusMetrics | None = None) -> Starlette:
+    serving = OpenAIServing(engine, served_model_names)
+    completions, chat, responses = CompletionsHandler(serving), ChatHandler(serving), ResponsesHandler(serving)
+    created = int(time.time())
+
+    def endpoint(handler, request_type):
+        async def route(request: Request) -> Response:
+            body = decode_request(await request.body(), request_type)
+            try:
+                return await handler.create(body, request)
+            except ClientDisconnected:
+                return Response(status_code=499)  # nobody is listening; the requests were aborted
+        return route
+
+    async def health(request: Request) -> Response:
+        if engine.dead_error is not None or not engine.is_running:
+            return _error(APIError(503, str(engine.dead_error or "the engine core is not running"),
+                                   code="engine_dead"))
+        return Response(status_code=200)
+
+    async def version(request: Request) -> Response:
+        return _json({"version": __version__})
+
+    async def models(request: Request) -> Response:
+        cards = [ModelCard(name, created, serving.max_model_len, engine.config.model_config.model)
+                 for name in served_model_names]
+        return _json(ModelList(cards))
+
+    async def tokenize(request: Request) -> Response:
+        req = decode_request(await request.body(), TokenizeRequest)
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            tokens = serving.render(serving.chat_messages(req.messages), req.add_generation_prompt)
+        else:
+            tokens = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return _json(TokenizeResponse(tokens, len(tokens), serving.max_model_len))
+
+    async def detokenize(request: Request) -> Response:
+        req = decode_request(await request.body(), DetokenizeRequest)
+        serving.check_model(req.model)
+        tokens = serving.check_token_ids(req.tokens, "tokens")
+        return _json(DetokenizeResponse(serving.tokenizer.decode(tokens)))
+
+    async def prometheus(request: Request) -> Response:
+        body = metrics.render() if metrics is not None else b""
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def api_error(request: Request, e: APIError) -> Response:
+        return _error(e)
+
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        return _error(APIError(e.status_code, e.detail or "error", code="not_found" if e.status_code == 404 else None))
+
+    async def internal_error(request: Request, e: Exception) -> Response:
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await engine.shutdown()
+
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/version", version, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/completions", endpoint(completions, CompletionRequest), methods=["POST"]),
+            Route("/v1/chat/completions", endpoint(chat, ChatCompletionRequest), methods=["POST"]),
+            Route("/v1/responses", endpoint(responses, ResponsesRequest), methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/metrics", prometheus, methods=["GET"]),
+        ],
+        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error},
+        lifespan=lifespan,
+    )
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.state.serving = serving
+    return app
+
+
+def run_server(engine_kwargs: dict, host: str, port: int, api_key: str | None, served_model_names: list[str] | None,
+               log_level: str = "info", access_log: bool = True) -> None:
+    import uvicorn
+
+    from surge.config import EngineConfig
+
+    config = EngineConfig.create(**engine_kwargs)
+    # Named as the user gave the model; the default model by its directory name rather than a cache path.
+    names = served_model_names or [engine_kwargs.get("model") or Path(config.model_config.model).name]
+    metrics = PrometheusMetrics(names[0])
+    engine = AsyncLLM(config, stats_observers=[metrics])
+    try:
+        app = build_app(engine, names, api_key, metrics)
+        logger.info("serving %s as %s on http://%s:%d", config.model_config.model, ", ".join(names), host, port)
+        uvicorn.run(app, host=host, port=port, loop="uvloop", http="httptools", log_level=log_level,
+                    access_log=access_log, timeout_graceful_shutdown=5)
+    finally:
+        engine.core.shutdown()
+
