@@ -238,6 +238,7 @@ class EngineConfig:
     device: torch.device
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs (always so off CUDA)
+    warmup_workers: int = 1  # kernel warm-up compile threads; 1 is serial (the default), kernels opt in to more
 
     @staticmethod
     def create(model: str | Path | None = None, *, dtype: str = "auto", device: str | None = None,
@@ -247,7 +248,9 @@ class EngineConfig:
                max_num_seqs: int = 128, enable_chunked_prefill: bool = True, tensor_parallel_size: int = 1,
                nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int | None = None,
                seed: int = 0, preset: str | None = None, load_format: str = "auto",
-               enforce_eager: bool = False) -> EngineConfig:
+               enforce_eager: bool = False, warmup_workers: int = 1) -> EngineConfig:
+        if not (isinstance(warmup_workers, int) and 1 <= warmup_workers <= 64):
+            raise ValueError(f"warmup_workers={warmup_workers!r} must be an integer in [1, 64] (1: serial)")
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format={load_format!r} is not supported; choose auto, safetensors or dummy")
         if preset is not None and model is not None:
@@ -286,4 +289,5 @@ class EngineConfig:
             device=dev,
             seed=seed,
             enforce_eager=enforce_eager or dev.type != "cuda",
+            warmup_workers=warmup_workers,
         )

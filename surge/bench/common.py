@@ -18,6 +18,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None, help="random-weight model from a built-in config: qwen3-8b, "
                    "llama3.1-8b, tiny-llama, tiny-qwen3-hybrid (instead of --model)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--warmup-workers", type=int, default=1, help="kernel warm-up compile threads (1: serial)")
 
 
 def make_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
@@ -49,9 +50,15 @@ def build_engine(args: argparse.Namespace, engine_kwargs: dict) -> EngineCore:
             raise ValueError("give --model or --preset, not both")
         kwargs.update(model=None, preset=args.preset, load_format="dummy")
     kwargs["enforce_eager"] = args.enforce_eager
+    kwargs["warmup_workers"] = args.warmup_workers
     start = time.perf_counter()
     engine = EngineCore(EngineConfig.create(**kwargs))
     engine.startup_seconds = time.perf_counter() - start
+    graph_runner = getattr(engine.runner, "graph_runner", None)  # in-process runner only (tp == 1)
+    graphs = graph_runner.capture_seconds if graph_runner is not None else 0.0
+    warmup = getattr(engine.runner, "warmup_seconds", 0.0)
+    print(f"start-up: {engine.startup_seconds:.2f} s to ready (kernel warm-up {warmup:.2f} s with "
+          f"{args.warmup_workers} worker(s), CUDA graph capture {graphs:.2f} s)", flush=True)
     return engine
 
 

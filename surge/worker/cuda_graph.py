@@ -34,6 +34,7 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.capture_seconds = 0.0
 
     def _meta(self, bs: int):
         # Capacity-shaped metadata: kernels read lengths from the tensors, never from these host values.
@@ -56,7 +57,7 @@ class CUDAGraphRunner:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        seconds = self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs (batch 1..%d) in %.2f s", len(self.sizes), self.sizes[-1], seconds)
         return seconds
 

@@ -21,7 +21,7 @@ from surge.logger import init_logger
 from surge.model.layers.linear import num_kv_heads_per_rank
 from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs
 from surge.model.loader.safetensors_loader import build_model, init_dummy_weights, iterate_safetensors, load_weights
-from surge.worker.cuda_graph import CUDAGraphRunner
+from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from surge.worker.step_inputs import StepInputs
 import surge.attention.torch_backend  # noqa: F401,I001  (registers the backends)
 import surge.attention.triton_backend  # noqa: F401,I001
@@ -81,10 +81,32 @@ class ModelRunner:
         self.inputs = StepInputs(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs,
                                  -(-mc.max_model_len // cc.block_size), len(self.kv_cache_config.groups),
                                  cc.block_size, self.device)
+        self.warmup_seconds = self._warm_up_kernels()
         self.graph_runner: CUDAGraphRunner | None = None
         if not config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(self.model, self.inputs, sc.max_num_seqs, mc.max_model_len)
             self.graph_runner.capture()
+
+    def _warm_up_kernels(self) -> float:
+        """Compile every attention variant the runtime will dispatch (each decode capture size and the mixed
+        launch, per attention kind) before serving, so no request or graph capture waits for the compiler."""
+        if not hasattr(self.backend, "kernel") or self.device.type != "cuda":
+            return 0.0
+        mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
+        kernel = self.backend.kernel(self.device)
+        attn = self.model.attention_layers()[0]
+        sizes = capture_sizes(sc.max_num_seqs) if not self.config.enforce_eager else []
+        keys = [kernel.dispatch(decode_only=decode, num_seqs=n, num_q_heads=attn.num_heads,
+                                num_kv_heads=attn.num_kv_heads, head_dim=mc.head_dim, block_size=cc.block_size,
+                                dtype=mc.dtype, sliding=sliding)
+                for sliding in {t == "sliding_attention" for t in mc.layer_types}
+                for decode, n in [(False, sc.max_num_seqs)] + [(True, n) for n in sizes]]
+        start = time.perf_counter()
+        compiled = kernel.compile_many(keys, max_workers=self.config.warmup_workers)
+        seconds = time.perf_counter() - start
+        logger.info("kernel warm-up: %d attention variant(s) compiled in %.2f s with up to %d worker(s)", compiled,
+                    seconds, self.config.warmup_workers)
+        return seconds
 
     def _size_kv_cache(self) -> KVCacheConfig:
         mc, cc = self.config.model_config, self.config.cache_config
