@@ -25,6 +25,7 @@ from surge.engine.messages import (AbortRequests, AddRequest, CoreReady, CoreReq
                                    RequestFailure, Shutdown, StopRequests, UtilityCall, UtilityResult)
 from surge.engine.request import Request, RequestStatus
 from surge.logger import init_logger
+from surge.worker.executor import WorkerDiedError
 
 logger = init_logger(__name__)
 
@@ -57,6 +58,7 @@ class EngineCoreProc:
         self._utility_results: list[UtilityResult] = []
         self._last_stats = None
         self._shutdown = False
+        self._fatal: BaseException | None = None
 
     def run(self) -> None:
         while not self._shutdown:
@@ -68,6 +70,8 @@ class EngineCoreProc:
                 return
             outputs = self._step() if self.engine.has_unfinished_requests() else []
             self._send(outputs)
+            if self._fatal is not None:
+                raise self._fatal
 
     def _parent_alive(self) -> bool:
         return self.parent_pid is None or os.getppid() == self.parent_pid
@@ -124,6 +128,8 @@ class EngineCoreProc:
             self.engine.abort_requests(request_ids)
             message = f"the engine failed while running this request ({type(e).__name__}: {e})"
             self._failures.extend(RequestFailure(rid, message, invalid_request=False) for rid in request_ids)
+            if isinstance(e, WorkerDiedError):  # a lost rank cannot come back: report, then end the process
+                self._fatal = e
             return []
 
     def _send(self, outputs: list) -> None:

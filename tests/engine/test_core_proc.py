@@ -55,6 +55,8 @@ class ScriptedEngine:
         return SchedulerStats(len(self.requests), 0, 0.5 if self.requests else 0.0, 0, 0, 0)
 
     def step(self):
+        if isinstance(self.fail, BaseException):
+            raise self.fail
         if self.fail:
             raise RuntimeError("boom")
         done, self.requests = self.requests, []
@@ -121,6 +123,40 @@ def test_failed_step_fails_every_in_flight_request(loop):
     loop.engine.fail = False
     loop.send(_add("c"))  # and the loop goes on serving
     assert [o.request_id for o in loop.recv().outputs] == ["c"]
+
+
+def test_lost_rank_fails_requests_then_ends_the_loop():
+    """A dead tensor-parallel rank cannot come back: the loop reports the in-flight requests, then raises."""
+    from surge.worker.executor import WorkerDiedError
+
+    ctx = zmq.Context()
+    to_core, core_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    core_out, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    core_in.bind("inproc://in-dead")
+    to_core.connect("inproc://in-dead")
+    from_core.bind("inproc://out-dead")
+    core_out.connect("inproc://out-dead")
+    engine = ScriptedEngine()
+    engine.fail = WorkerDiedError("tensor-parallel rank 1 (pid 123) was killed by SIGKILL")
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            EngineCoreProc(engine, core_in, core_out, parent_pid=None).run()
+        except BaseException as e:  # the thread's exit reason is what the test checks
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    to_core.send(msgspec.msgpack.encode(_add("a")))
+    thread.join(5)
+    assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], WorkerDiedError)
+    assert from_core.poll(1000)
+    out = msgspec.msgpack.Decoder(EngineCoreOutputs).decode(from_core.recv())
+    assert [f.request_id for f in out.failures] == ["a"] and "rank 1" in out.failures[0].message
+    for sock in (to_core, core_in, core_out, from_core):
+        sock.close(linger=0)
+    ctx.term()
 
 
 def test_refused_request_is_an_invalid_request_failure(loop):
