@@ -35,7 +35,25 @@ def sampling_generator(params: SamplingParams, device: torch.device | None) -> t
     return generator
 
 
-class Request:
+class TokenSequence:
+    """Prompt + output tokens in one list: what the model runner reads of a request, engine- or worker-side."""
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class Request(TokenSequence):
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
                  device: torch.device | None = None, arrival_time: float | None = None) -> None:
         self.request_id = request_id
@@ -55,18 +73,6 @@ class Request:
         self.generator = sampling_generator(params, device)
         # Prompt positions whose logprobs were already returned (prompt logprobs are computed once).
         self.num_prompt_logprobs_done = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -11,7 +11,7 @@ import msgspec
 import torch
 
 from surge.core.scheduler import ScheduledRequest, SchedulerOutput
-from surge.engine.request import sampling_generator
+from surge.engine.request import TokenSequence, sampling_generator
 from surge.sampling_params import SamplingParams
 from surge.worker.model_runner import ModelRunnerOutput
 
@@ -79,7 +79,7 @@ class StepEncoder:
         return self._encoder.encode(StepMessage(shutdown=True))
 
 
-class CachedRequest:
+class CachedRequest(TokenSequence):
     """A worker's view of a request: what ModelRunner reads from a Request, nothing the scheduler needs."""
 
     def __init__(self, new: NewRequest, device: torch.device) -> None:
@@ -90,18 +90,6 @@ class CachedRequest:
         self.token_ids = list(new.prompt_token_ids)
         self.generator = sampling_generator(new.params, device)
         self.num_prompt_logprobs_done = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 class RequestCache:
