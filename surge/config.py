@@ -210,23 +210,16 @@ class ParallelConfig:
         return self.tensor_parallel_size == 1
 
     def check_model(self, model_config: ModelConfig) -> None:
-        """The model's heads and MLP must split evenly; KV heads split or are replicated (tp > num_kv_heads)."""
+        """KV heads (each with its query heads) split over the ranks, unevenly if need be, or are replicated when
+        tp exceeds them; the MLP must split evenly."""
         tp, cfg = self.tensor_parallel_size, model_config.hf_config
         heads, kv_heads = cfg["num_attention_heads"], model_config.num_kv_heads
-        if heads % tp:
-            divisors = [d for d in range(1, heads + 1) if heads % d == 0 and _kv_heads_split(kv_heads, d)]
-            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's num_attention_heads={heads}; "
-                             f"choose one of {divisors}")
-        if not _kv_heads_split(kv_heads, tp):
-            raise ValueError(f"tensor_parallel_size={tp} and the model's num_key_value_heads={kv_heads}: one must "
-                             "divide the other (KV heads are split across ranks, or replicated when tp exceeds them)")
+        if tp > kv_heads and (tp % kv_heads or heads % tp):
+            raise ValueError(f"tensor_parallel_size={tp} exceeds the model's num_key_value_heads={kv_heads}: it must "
+                             f"be a multiple of them and divide num_attention_heads={heads}")
         if cfg["intermediate_size"] % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide the model's intermediate_size="
                              f"{cfg['intermediate_size']}")
-
-
-def _kv_heads_split(kv_heads: int, tp: int) -> bool:
-    return kv_heads % tp == 0 if tp <= kv_heads else tp % kv_heads == 0
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ class NodeLauncher:
                 ready = decoder.decode(data)
                 if ready.error is not None:
                     self.fail(f"tensor-parallel rank {rank} failed to start: {ready.error}")
-                num_blocks = num_blocks or ready.num_blocks
+                num_blocks = min(num_blocks, ready.num_blocks) if num_blocks else ready.num_blocks
                 del pending[rank]
             self.check()
             if time.monotonic() > deadline:

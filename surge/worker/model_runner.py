@@ -52,10 +52,11 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def kv_cache_groups(config: EngineConfig) -> tuple[KVCacheGroup, ...]:
-    """The KV cache groups of one rank: its share of the KV heads (the block count is the same on every rank)."""
+def kv_cache_groups(config: EngineConfig, rank: int = 0) -> tuple[KVCacheGroup, ...]:
+    """The KV cache groups of one rank: its share of the KV heads (the block count is the same on every rank: the
+    smallest any rank can hold; rank 0 holds the most heads when they do not split evenly)."""
     mc, cc = config.model_config, config.cache_config
-    kv_heads = num_kv_heads_per_rank(mc.num_kv_heads, config.parallel_config.tensor_parallel_size)
+    kv_heads = num_kv_heads_per_rank(mc.num_kv_heads, config.parallel_config.tensor_parallel_size, rank)
     return build_kv_cache_groups(mc.layer_types, mc.sliding_window, cc.block_size, kv_heads, mc.head_dim, mc.dtype)
 
 
@@ -110,7 +111,7 @@ class ModelRunner:
 
     def _size_kv_cache(self) -> KVCacheConfig:
         mc, cc = self.config.model_config, self.config.cache_config
-        groups = kv_cache_groups(self.config)
+        groups = kv_cache_groups(self.config, get_tp_group().rank)
         probe = KVCacheConfig(groups, num_blocks=2)
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override

@@ -59,14 +59,30 @@ def _model(heads: int, kv_heads: int, intermediate: int = 144) -> ModelConfig:
 
 
 def test_model_must_split_over_ranks():
-    # The default model (SmolLM2-135M) has 9 heads and 3 KV heads: tp=2 cannot split it, tp=3 can.
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide .*num_attention_heads=9; "
-                                         r"choose one of \[1, 3, 9\]"):
-        ParallelConfig(tensor_parallel_size=2).check_model(_model(9, 3))
+    # The default model (SmolLM2-135M) has 9 heads and 3 KV heads: tp=2 splits its KV heads 2 + 1.
+    ParallelConfig(tensor_parallel_size=2).check_model(_model(9, 3))
     ParallelConfig(tensor_parallel_size=3).check_model(_model(9, 3))
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):  # 6 ranks cannot share 3 KV heads of 9 heads
+        ParallelConfig(tensor_parallel_size=6).check_model(_model(9, 3))
     ParallelConfig(tensor_parallel_size=9).check_model(_model(9, 3))  # 3 ranks share each KV head
     ParallelConfig(tensor_parallel_size=4).check_model(_model(4, 1))
     with pytest.raises(ValueError, match="num_key_value_heads=4"):  # 6 ranks cannot share 4 KV heads evenly
         ParallelConfig(tensor_parallel_size=6).check_model(_model(12, 4, intermediate=120))
     with pytest.raises(ValueError, match="intermediate_size=130"):
         ParallelConfig(tensor_parallel_size=4).check_model(_model(4, 2, intermediate=130))
+
+
+@pytest.mark.parametrize("heads, kv_heads, tp", [(9, 3, 2), (9, 3, 3), (8, 8, 3), (32, 8, 8), (16, 2, 8), (4, 1, 4),
+                                                  (12, 4, 3), (10, 5, 4)])
+def test_head_shards_tile_every_head_once(heads, kv_heads, tp):
+    """Every query head lands on exactly one rank, next to the KV head of its group."""
+    from surge.model.layers.linear import head_shard
+
+    shards = [head_shard(heads, kv_heads, tp, r) for r in range(tp)]
+    q_heads = [h for s in shards for h in range(s.q_start, s.q_start + s.q_count)]
+    assert q_heads == list(range(heads))
+    group = heads // kv_heads
+    for s in shards:
+        kv_of_q = {h // group for h in range(s.q_start, s.q_start + s.q_count)}
+        assert kv_of_q <= set(range(s.kv_start, s.kv_start + s.kv_count))
+    assert shards[0].kv_count == max(s.kv_count for s in shards)  # rank 0 sizes the KV cache

@@ -115,9 +115,13 @@ def test_vocab_split_with_padding(as_rank, tp):
 
 
 def test_shapes_that_do_not_split_are_refused(as_rank):
-    as_rank(0, 2)
-    with pytest.raises(ValueError, match="num_attention_heads=3 does not split evenly over tensor_parallel_size=2"):
+    as_rank(0, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 exceeds num_key_value_heads=3"):
         QKVParallelLinear(16, 4, 3, 3)
+    as_rank(1, 2)  # 3 KV heads over 2 ranks: 2 + 1, each with its query heads
+    qkv = QKVParallelLinear(16, 4, 3, 3)
+    assert (qkv.num_heads, qkv.num_kv_heads, qkv.weight.shape[0]) == (1, 1, 3 * 4)
+    as_rank(0, 2)
     layer = RowParallelLinear(8, 4)
     with pytest.raises(ValueError, match=r"does not fit parameter of shape \(4, 4\)"):
         layer.weight.weight_loader(layer.weight, torch.zeros(4, 6))

@@ -8,6 +8,8 @@ rank every layer is a plain linear layer and no collective runs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,9 +24,37 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def num_kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
-    """KV heads are split across ranks, or replicated (one per rank) when there are more ranks than heads."""
-    return max(1, num_kv_heads // tp_size)
+@dataclass(frozen=True)
+class HeadShard:
+    """One rank's query heads [q_start, q_start + q_count) and the KV heads they read."""
+    q_start: int
+    q_count: int
+    kv_start: int
+    kv_count: int
+
+
+def head_shard(num_heads: int, num_kv_heads: int, tp_size: int, rank: int) -> HeadShard:
+    """KV heads are split as evenly as possible (when tp does not divide them, the first ranks take one more), each
+    with its whole group of query heads; with more ranks than KV heads, tp / num_kv_heads consecutive ranks
+    replicate one KV head and split its query heads."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    if tp_size <= num_kv_heads:
+        base, extra = divmod(num_kv_heads, tp_size)
+        kv_count = base + (rank < extra)
+        kv_start = rank * base + min(rank, extra)
+        return HeadShard(kv_start * group, kv_count * group, kv_start, kv_count)
+    if tp_size % num_kv_heads or num_heads % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} exceeds num_key_value_heads={num_kv_heads}: it must be a "
+                         f"multiple of them and divide num_attention_heads={num_heads}")
+    q_count = num_heads // tp_size
+    return HeadShard(rank * q_count, q_count, rank // (tp_size // num_kv_heads), 1)
+
+
+def num_kv_heads_per_rank(num_kv_heads: int, tp_size: int, rank: int = 0) -> int:
+    """KV heads this rank holds (rank 0 holds the most)."""
+    return head_shard(num_kv_heads, num_kv_heads, tp_size, rank).kv_count if tp_size <= num_kv_heads else 1
 
 
 def _split(size: int, tp_size: int, what: str) -> int:
@@ -100,48 +130,46 @@ class ColumnParallelLinear(MergedColumnParallelLinear):
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """q, k and v projections; each rank keeps num_heads / tp query heads and their KV heads. With more ranks than
-    KV heads, tp / num_kv_heads consecutive ranks share (replicate) one KV head."""
+    """q, k and v projections; each rank keeps the query heads and KV heads of its `head_shard`."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
         self.head_dim, self.total_num_heads, self.total_num_kv_heads = head_dim, num_heads, num_kv_heads
+        tp = get_tp_group()
+        self.shard = head_shard(num_heads, num_kv_heads, tp.world_size, tp.rank)
         super().__init__(hidden, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
                                   "v": num_kv_heads * head_dim}, bias)
-        self.num_heads = _split(num_heads, self.tp_size, "num_attention_heads")
-        self.num_kv_heads = num_kv_heads_per_rank(num_kv_heads, self.tp_size)
+        self.num_heads, self.num_kv_heads = self.shard.q_count, self.shard.kv_count
 
     def _local_shards(self) -> dict[str | int | None, tuple[int, int]]:
-        tp, rank, d = self.tp_size, self.tp_rank, self.head_dim
-        heads = _split(self.total_num_heads, tp, "num_attention_heads")
-        kv = self.total_num_kv_heads
-        if tp <= kv:
-            kv_local = _split(kv, tp, "num_key_value_heads")
-            kv_start = rank * kv_local
-        else:
-            if tp % kv:
-                raise ValueError(f"tensor_parallel_size={tp} is not a multiple of num_key_value_heads={kv}")
-            kv_local, kv_start = 1, rank // (tp // kv)
-        return {"q": (heads * d, rank * heads * d), "k": (kv_local * d, kv_start * d),
-                "v": (kv_local * d, kv_start * d)}
+        d, sh = self.head_dim, self.shard
+        return {"q": (sh.q_count * d, sh.q_start * d), "k": (sh.kv_count * d, sh.kv_start * d),
+                "v": (sh.kv_count * d, sh.kv_start * d)}
 
 
 class RowParallelLinear(Linear):
     """Input features split over the ranks (the input arrives split, from a column-parallel layer); the partial
     products are summed over the ranks. The bias is added once, by rank 0, before the sum."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 input_shard: tuple[int, int] | None = None) -> None:
+        """input_shard: (first input feature, count) of this rank when the split is not even (attention heads)."""
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
-        super().__init__(_split(in_features, self.tp_size, "input size"), out_features, bias)
+        self.full_in_features = in_features
+        if input_shard is None:
+            size = _split(in_features, self.tp_size, "input size")
+            input_shard = (self.tp_rank * size, size)
+        self.input_start = input_shard[0]
+        super().__init__(input_shard[1], out_features, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         if param.dim() == 1:  # the bias: replicated
             return default_weight_loader(param, loaded)
         size = param.shape[1]
-        if loaded.dim() != 2 or loaded.shape[0] != param.shape[0] or loaded.shape[1] != size * self.tp_size:
+        if loaded.dim() != 2 or loaded.shape[0] != param.shape[0] or loaded.shape[1] != self.full_in_features:
             raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter of shape "
                              f"{tuple(param.shape)} (input split over {self.tp_size} ranks)")
-        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+        param.data.copy_(loaded.narrow(1, self.input_start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

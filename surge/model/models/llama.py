@@ -30,7 +30,9 @@ class DecoderAttention(nn.Module):
         # This rank's heads: all of them with one rank.
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=attention_bias)
+        shard = self.qkv_proj.shard
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=attention_bias,
+                                        input_shard=(shard.q_start * self.head_dim, shard.q_count * self.head_dim))
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
