@@ -161,7 +161,8 @@ class ModelRunner:
 
         # Rows that need logits: the last position of each sampling request, then prompt-logprob positions.
         sample_idx, rows = [], []
-        prompt_rows: list[tuple[str, int, list[int], list[int]]] = []  # (req id, first pos, hidden rows, targets)
+        # (req id, top-N, first pos, hidden rows, targets)
+        prompt_rows: list[tuple[str, int, int, list[int], list[int]]] = []
         for i, s in enumerate(out.scheduled):
             req = s.request
             start = meta.query_start_loc[i]
@@ -176,7 +177,7 @@ class ModelRunner:
                 lo = max(s.num_computed_tokens, req.num_prompt_logprobs_done)
                 hi = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
                 if hi > lo:
-                    prompt_rows.append((req.request_id, lo,
+                    prompt_rows.append((req.request_id, req.params.prompt_logprobs, lo,
                                         [start + p - s.num_computed_tokens for p in range(lo, hi)],
                                         req.prompt_token_ids[lo + 1:hi + 1]))
                     req.num_prompt_logprobs_done = hi
@@ -204,18 +205,10 @@ class ModelRunner:
                 if has_lp and num is not None:
                     result.logprobs[rid] = (lp_ids[j][:1 + num], lps[j][:1 + num], ranks[j])
                 j += 1
-        for rid, first, idx, targets in prompt_rows:
-            num = out_params_prompt_logprobs(out, rid)
+        for rid, num, first, idx, targets in prompt_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)])
             if logits is None:
                 continue
             ids, lps, ranks = compute_token_logprobs(logits.float(), torch.tensor(targets, device=self.device), num)
             result.prompt_logprobs[rid] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
         return result
-
-
-def out_params_prompt_logprobs(out: SchedulerOutput, request_id: str) -> int:
-    for s in out.scheduled:
-        if s.request.request_id == request_id:
-            return s.request.params.prompt_logprobs
-    raise KeyError(request_id)
