@@ -20,7 +20,7 @@ from surge.distributed.parallel_state import get_tp_group
 from surge.logger import init_logger
 from surge.model.layers.linear import num_kv_heads_per_rank
 from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs
-from surge.model.loader.safetensors_loader import build_model, init_dummy_weights, iterate_safetensors, load_weights
+from surge.model.loader.safetensors_loader import load_model
 from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from surge.worker.step_inputs import StepInputs
 import surge.attention.torch_backend  # noqa: F401,I001  (registers the backends)
@@ -66,11 +66,7 @@ class ModelRunner:
         self.device = config.device
         mc = config.model_config
         start = time.perf_counter()
-        self.model = build_model(mc, self.device)
-        if mc.load_format == "dummy":
-            init_dummy_weights(self.model, config.seed)
-        else:
-            load_weights(self.model, iterate_safetensors(mc.model), mc.model)
+        self.model = load_model(mc, self.device, config.seed)
         logger.info("loaded %s (%s, %s) in %.2f s", mc.architecture, mc.dtype, self.device,
                     time.perf_counter() - start)
         self.sampler = Sampler()

@@ -73,3 +73,13 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=gen)
+
+
+def load_model(config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
+    """The model as the engine runs it, on `device`: built, then filled from the checkpoint (or randomly)."""
+    model = build_model(config, device)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_weights(model, iterate_safetensors(config.model), config.model)
+    return model
