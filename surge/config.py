@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+LOAD_FORMATS = ("auto", "safetensors", "dummy", "weight_cache")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
@@ -41,7 +42,9 @@ class ModelConfig:
     layer_types: tuple[str, ...]
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
-    load_format: str = "safetensors"  # "dummy": random weights (presets, benchmarks)
+    # "safetensors": the checkpoint; "dummy": random weights (presets, benchmarks); "weight_cache": mapped from this
+    # rank's Fast Start daemon (surge/weight_cache), falling back to the checkpoint as WeightCacheConfig says.
+    load_format: str = "safetensors"
 
     @property
     def num_layers(self) -> int:
@@ -161,6 +164,8 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+    # Schedule and launch step N+1 before step N's tokens reach the host: the host's work hides behind the device's.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -222,6 +227,29 @@ class ParallelConfig:
                              f"{cfg['intermediate_size']}")
 
 
+WEIGHT_CACHE_MODES = ("zero_copy", "copy")
+
+
+@dataclass(frozen=True)
+class WeightCacheConfig:
+    """How an engine with load_format="weight_cache" uses its daemons (surge/weight_cache)."""
+    socket_dir: str | None = None  # None: $SURGE_WEIGHT_CACHE_DIR (see surge/envs.py)
+    # zero_copy: bind the daemon's tensors (the daemon must outlive the engine); copy: clone them, then the daemon
+    # releases its copy.
+    mode: str = "zero_copy"
+    fallback: bool = True  # any reason the cache cannot serve: warn and load from disk (off: fail with the reason)
+    timeout: float = 30.0  # seconds to connect, and to wait for each reply
+
+    def __post_init__(self) -> None:
+        if self.mode not in WEIGHT_CACHE_MODES:
+            raise ValueError(f"weight_cache_mode={self.mode!r} is not supported; choose "
+                             f"{' or '.join(WEIGHT_CACHE_MODES)}")
+        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ValueError(f"weight_cache_timeout={self.timeout!r} must be a positive number of seconds")
+        if self.socket_dir is not None and not (isinstance(self.socket_dir, str) and self.socket_dir):
+            raise ValueError(f"weight_cache_dir={self.socket_dir!r} must be a directory path")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -232,6 +260,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs (always so off CUDA)
     warmup_workers: int = 1  # kernel warm-up compile threads; 1 is serial (the default), kernels opt in to more
+    weight_cache_config: WeightCacheConfig = field(default_factory=WeightCacheConfig)
 
     @staticmethod
     def create(model: str | Path | None = None, *, dtype: str = "auto", device: str | None = None,
@@ -241,11 +270,16 @@ class EngineConfig:
                max_num_seqs: int = 128, enable_chunked_prefill: bool = True, tensor_parallel_size: int = 1,
                nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int | None = None,
                seed: int = 0, preset: str | None = None, load_format: str = "auto",
-               enforce_eager: bool = False, warmup_workers: int = 1) -> EngineConfig:
+               enforce_eager: bool = False, warmup_workers: int = 1, weight_cache_dir: str | None = None,
+               weight_cache_mode: str = "zero_copy", weight_cache_fallback: bool = True,
+               weight_cache_timeout: float = 30.0, async_scheduling: bool | None = None) -> EngineConfig:
         if not (isinstance(warmup_workers, int) and 1 <= warmup_workers <= 64):
             raise ValueError(f"warmup_workers={warmup_workers!r} must be an integer in [1, 64] (1: serial)")
-        if load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format={load_format!r} is not supported; choose auto, safetensors or dummy")
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={load_format!r} is not supported; choose {', '.join(LOAD_FORMATS)}")
+        weight_cache_config = WeightCacheConfig(socket_dir=None if weight_cache_dir is None else str(weight_cache_dir),
+                                                mode=weight_cache_mode, fallback=weight_cache_fallback,
+                                                timeout=weight_cache_timeout)
         if preset is not None and model is not None:
             raise ValueError(f"give model or preset, not both (model={str(model)!r}, preset={preset!r})")
         if model is None and preset is None:
@@ -258,13 +292,15 @@ class EngineConfig:
         except RuntimeError:
             raise ValueError(f"device={device!r} is not a valid torch device (try 'cpu' or 'cuda')") from None
         if preset is not None:
-            if load_format == "safetensors":
-                raise ValueError(f"preset={preset!r} has no checkpoint: use load_format='dummy' (random weights)")
+            if load_format in ("safetensors", "weight_cache"):
+                raise ValueError(f"preset={preset!r} has no checkpoint for load_format={load_format!r}: use "
+                                 "load_format='dummy' (random weights), or write one with `surge bench startup "
+                                 "--preset NAME --checkpoint-dir DIR`")
             model_config = ModelConfig.from_preset(preset, dtype, dev, max_model_len)
         else:
             model_config = ModelConfig.from_path(model, dtype, dev, max_model_len)
-            if load_format == "dummy":
-                model_config = dataclasses.replace(model_config, load_format="dummy")
+            if load_format in ("dummy", "weight_cache"):
+                model_config = dataclasses.replace(model_config, load_format=load_format)
         parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, nnodes=nnodes,
                                          node_rank=node_rank, master_addr=master_addr, master_port=master_port)
         parallel_config.check_model(model_config)
@@ -277,10 +313,14 @@ class EngineConfig:
                                      num_gpu_blocks_override=num_gpu_blocks_override),
             scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=max_num_seqs, max_model_len=model_config.max_model_len,
-                                             enable_chunked_prefill=enable_chunked_prefill),
+                                             enable_chunked_prefill=enable_chunked_prefill,
+                                             # on by default where the device runs apart from the host
+                                             async_scheduling=dev.type == "cuda" if async_scheduling is None
+                                             else bool(async_scheduling)),
             parallel_config=parallel_config,
             device=dev,
             seed=seed,
             enforce_eager=enforce_eager or dev.type != "cuda",
             warmup_workers=warmup_workers,
+            weight_cache_config=weight_cache_config,
         )

@@ -29,11 +29,18 @@ def _rank_timeout() -> float:
     return float(os.environ.get("SURGE_RANK_TIMEOUT", "900"))
 
 
+def _weight_cache_dir() -> Path:
+    """SURGE_WEIGHT_CACHE_DIR: where the Fast Start daemons' sockets live (--weight-cache-dir overrides it).
+    Default /tmp/surge-weight-cache-UID, created 0700."""
+    return Path(os.environ.get("SURGE_WEIGHT_CACHE_DIR") or f"/tmp/surge-weight-cache-{os.getuid()}").expanduser()
+
+
 _GETTERS = {
     "SURGE_API_KEY": _api_key,
     "SURGE_CACHE_DIR": _cache_dir,
     "SURGE_LOG_LEVEL": _log_level,
     "SURGE_RANK_TIMEOUT": _rank_timeout,
+    "SURGE_WEIGHT_CACHE_DIR": _weight_cache_dir,
 }
 
 

@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -27,15 +28,31 @@ class AttentionMetadata:
     seq_lens_t: torch.Tensor
 
 
+@dataclass
+class Prologue:
+    """What q and k go through before the cache write: optional per-head RMSNorm (Qwen3), then rotary embedding.
+    A backend may fuse it with the write; `apply` is the unfused reference."""
+    positions: torch.Tensor  # [T]
+    rotary: nn.Module  # RotaryEmbedding: (positions, q, k) -> (q, k), with cos_cache / sin_cache buffers
+    q_norm: nn.Module | None = None  # RMSNorm over head_dim (weight, eps)
+    k_norm: nn.Module | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rotary(self.positions, q, k)
+
+
 class AttentionBackend(ABC):
     name: str
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, group_id: int, sliding_window: int | None, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, group_id: int, sliding_window: int | None, scale: float,
+                prologue: Prologue | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D].
-        Writes k, v at meta.slot_mapping[group_id]; returns [T, Hq, D]. A query at position p attends to
-        positions <= p, and with a sliding window only to positions > p - sliding_window."""
+        Applies the prologue to q and k, writes k, v at meta.slot_mapping[group_id]; returns [T, Hq, D]. A query at
+        position p attends to positions <= p, and with a sliding window only to positions > p - sliding_window."""
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

@@ -16,7 +16,9 @@ from surge.attention.backend import AttentionBackend, AttentionMetadata, registe
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, group_id, sliding_window, scale):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, group_id, sliding_window, scale, prologue=None):
+        if prologue is not None:
+            q, k = prologue.apply(q, k)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         slots = meta.slot_mapping[group_id]

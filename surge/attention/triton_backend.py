@@ -29,11 +29,18 @@ class TritonAttentionBackend(AttentionBackend):
             self._kernels[device] = PagedAttention(device, num_sms)
         return self._kernels[device]
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, group_id, sliding_window, scale):
-        from surge.kernels.kv_cache import write_kv_cache
-
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, group_id, sliding_window, scale, prologue=None):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping[group_id])
+        slots = meta.slot_mapping[group_id]
+        if prologue is None:
+            from surge.kernels.kv_cache import write_kv_cache
+            write_kv_cache(k, v, k_cache, v_cache, slots)
+        else:  # norm + rotary + cache write in one launch
+            from surge.kernels.rotary import rotary_write_kv
+            qn, kn = prologue.q_norm, prologue.k_norm
+            rotary_write_kv(prologue.positions, q, k, v, prologue.rotary.cos_cache, prologue.rotary.sin_cache,
+                            k_cache, v_cache, slots, qn.weight if qn is not None else None,
+                            kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0)
         return self.kernel(q.device)(
             q, k_cache, v_cache, meta.block_tables[group_id], meta.seq_lens_t, meta.query_start_loc_t,
             num_seqs=meta.num_reqs, decode_only=meta.max_query_len == 1, sliding_window=sliding_window,

@@ -20,6 +20,8 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=256)
     g.add_argument("--repeats", type=int, default=2, help="timed runs per case (the best is reported)")
     g.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate (batch 1 decode)")
+    g.add_argument("--breakdown", action="store_true",
+                   help="split each decode step into device time (forward, logits + sampling) and host time")
 
 
 def _sync(device: torch.device) -> None:
@@ -102,8 +104,92 @@ def run_latency(args: argparse.Namespace) -> None:
               f"{flops / prefill / 1e12:7.1f} TFLOP/s (MFU {flops / prefill / peak:5.1%}) | decode "
               f"{tpot * 1e3:7.2f} ms/step {bs / tpot:9.1f} tok/s {decode_bytes / tpot / 1e9:7.0f} GB/s "
               f"(MBU {decode_bytes / tpot / copy_bw:5.1%})", flush=True)
+        if args.breakdown:
+            _breakdown(engine, workload, tpot)
     if args.compare_hf:
         _compare_hf(engine, args)
+
+
+class _PhaseTimer:
+    """Wall seconds spent inside one bound method, summed over calls."""
+
+    def __init__(self, owner, name: str) -> None:
+        self.owner, self.name, self.seconds, self.calls = owner, name, 0.0, 0
+        self.inner = getattr(owner, name)
+
+        def timed(*a, **k):
+            start = time.perf_counter()
+            try:
+                return self.inner(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+        setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        setattr(self.owner, self.name, self.inner)
+
+
+def _device_ms(fn, iters: int = 50) -> float:
+    """Milliseconds of device time per call of fn, launched back to back (no host gaps between calls)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _breakdown(engine, workload, tpot: float) -> None:
+    """Where a decode step's time goes: the graph's device time, the logits and sampling, and the host."""
+    runner = engine.runner
+    graphs = getattr(runner, "graph_runner", None)
+    bs = len(workload)
+    if engine.config.device.type != "cuda" or graphs is None or graphs.padded_size(bs) is None:
+        print("breakdown: needs CUDA, CUDA graphs and the in-process runner (tensor_parallel_size 1)", flush=True)
+        return
+    timers = [_PhaseTimer(engine.scheduler, "schedule"), _PhaseTimer(runner, "execute_async"),
+              _PhaseTimer(engine.scheduler, "update_from_output")]
+    engine.kv_cache_manager.reset_prefix_cache()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run_engine(engine, workload, show_progress=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    for t in timers:
+        t.restore()
+    steps = timers[0].calls
+    with torch.inference_mode():
+        forward = _device_ms(lambda: graphs.graphs[graphs.padded_size(bs)].replay())
+        hidden = graphs.outputs[graphs.padded_size(bs)][:bs]
+        logits = _device_ms(lambda: runner.model.compute_logits(hidden).float().argmax(dim=-1))
+    per_step = {t.name: t.seconds / steps * 1e3 for t in timers}
+    rest = wall / steps * 1e3 - sum(per_step.values())
+    print(f"  breakdown, batch {bs}, {steps} steps, {wall / steps * 1e3:.3f} ms/step wall (decode {tpot * 1e3:.3f}): "
+          f"device: forward graph {forward:.3f} ms + logits/argmax {logits:.3f} ms = {forward + logits:.3f} ms; "
+          f"host ({'async' if engine.async_scheduling else 'sync'} scheduling): schedule {per_step['schedule']:.3f}, "
+          f"launch {per_step['execute_async']:.3f}, update {per_step['update_from_output']:.3f}, waiting for the "
+          f"device and the rest {rest:.3f} ms",
+          flush=True)
+    _kernel_table(runner, graphs, bs)
+
+
+def _kernel_table(runner, graphs, bs: int) -> None:
+    """Device time per kernel of one eager decode forward (graphs hide their kernels from the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inp = runner.inputs
+    meta = graphs._meta(graphs.padded_size(bs))
+    with torch.inference_mode():
+        runner.model(inp.input_ids[:bs], inp.positions[:bs], meta)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.model(inp.input_ids[:bs], inp.positions[:bs], meta)
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=16, max_name_column_width=60),
+          flush=True)
 
 
 def _compare_hf(engine, args) -> None:

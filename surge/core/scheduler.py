@@ -2,6 +2,9 @@
 
 There are no prefill or decode phases: a step maps request -> number of new tokens, so chunked prefill, decodes and
 prefix-cache hits are one mechanism. When blocks run out, the newest running request is preempted (recompute).
+
+Progress is booked when a step is scheduled: its tokens count as computed, and a token it samples counts as
+pending until its value arrives (update_from_output). So the next step can be scheduled while this one runs.
 """
 from __future__ import annotations
 
@@ -19,11 +22,9 @@ class ScheduledRequest:
     num_computed_tokens: int  # before this step
     num_new_tokens: int
     block_ids: tuple[list[int], ...]  # per KV cache group
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the known tokens, so its last position yields a new token."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    # True when this step reaches the end of the request's tokens (pending ones included), so its last position
+    # yields a new token.
+    samples: bool
 
 
 @dataclass
@@ -70,7 +71,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_pending_tokens and self._ends_with_pending(req):
+                i += 1  # its last token is on its way: nothing more to compute
+                continue
+            num_new = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
             assert num_new > 0
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
@@ -90,6 +94,8 @@ class Scheduler:
             if out.preempted_ids:
                 break  # memory is tight this step; admitting more would only thrash
             req = self.waiting[0]
+            if req.num_pending_tokens:
+                break  # preempted while a step computing its next token is in flight: resume once it arrives
             hit, num_hit = ([], 0)
             if req.num_computed_tokens == 0:
                 hit, num_hit = self.kv.get_computed_blocks(req)
@@ -109,9 +115,14 @@ class Scheduler:
             budget -= num_new
 
         for req in self.running:
-            if req.request_id in scheduled:
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, scheduled[req.request_id],
-                                                      self.kv.get_block_ids(req.request_id)))
+            num_new = scheduled.get(req.request_id)
+            if num_new is None:
+                continue
+            samples = req.num_computed_tokens + num_new == req.num_tokens_with_pending
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new,
+                                                  self.kv.get_block_ids(req.request_id), samples))
+            req.num_computed_tokens += num_new
+            req.num_pending_tokens += samples
         if out.scheduled:  # an empty output is never executed, so it would lose them
             out.finished_ids, self._finished_ids = self._finished_ids, []
         return out
@@ -124,15 +135,28 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _ends_with_pending(self, req: Request) -> bool:
+        """True when the pending tokens already reach a length limit, so the request will finish with them."""
+        max_tokens = req.params.max_tokens
+        if max_tokens is not None and req.num_output_tokens + req.num_pending_tokens >= max_tokens:
+            return True
+        return req.num_tokens_with_pending >= self.config.max_model_len
+
+    def needs_output_history(self) -> bool:
+        """True when a running request's sampling reads its previous tokens (penalties): its next step must wait
+        for the tokens of the one before."""
+        return any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+                   for r in self.running)
+
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress, append sampled tokens, finish requests that hit a stop condition or a length limit.
+        """Append the step's sampled tokens, finish requests that hit a stop condition or a length limit.
         Returns the requests that received a token this step."""
         progressed = []
         for s in out.scheduled:
             req = s.request
+            req.num_pending_tokens -= s.samples
             if req.is_finished:
-                continue
-            req.num_computed_tokens += s.num_new_tokens
+                continue  # finished (stopped, aborted) while this step was in flight: its token is dropped
             token = sampled.get(req.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end yet

@@ -10,10 +10,11 @@ import torch
 
 from surge.config import EngineConfig
 from surge.core.kv_cache.manager import KVCacheManager
-from surge.core.scheduler import Scheduler
+from surge.core.scheduler import Scheduler, SchedulerOutput
 from surge.engine.request import Request, RequestStatus
 from surge.logger import init_logger
 from surge.worker.executor import create_executor
+from surge.worker.model_runner import ModelRunnerOutput, PendingOutput
 
 logger = init_logger(__name__)
 
@@ -49,6 +50,9 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config,
                                                config.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        # Tensor-parallel ranks in other processes step synchronously (they need each step's tokens in its message).
+        self.async_scheduling = config.scheduler_config.async_scheduling and hasattr(self.runner, "execute_async")
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         kvc = self.runner.kv_cache_config
         self.max_tokens_in_kv = (kvc.num_blocks - 1) * config.cache_config.block_size
 
@@ -92,12 +96,33 @@ class EngineCore:
                               prefix_cache_hits=kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions)
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and run one step; returns the outputs of the step that finished. With async scheduling that is
+        the step before: this one is launched first, so the host's work for it overlaps the device's for that one."""
+        outputs: list[EngineCoreOutput] = []
+        overlap = self.async_scheduling and not self.scheduler.needs_output_history()
+        if self._in_flight is not None and not overlap:
+            outputs = self._finish_in_flight()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
-            if self.scheduler.has_unfinished_requests():
+            if self._in_flight is not None:
+                return outputs + self._finish_in_flight()
+            if not outputs and self.scheduler.has_unfinished_requests():
                 raise RuntimeError("the scheduler could not schedule any waiting request; the KV cache is too small")
-            return []
-        result = self.runner.execute(sched_out)
+            return outputs
+        if not overlap:
+            return outputs + self._process(sched_out, self.runner.execute(sched_out))
+        launched = self.runner.execute_async(sched_out)
+        if self._in_flight is not None:
+            outputs = self._finish_in_flight()
+        self._in_flight = (sched_out, launched)
+        return outputs
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        sched_out, launched = self._in_flight
+        self._in_flight = None
+        return self._process(sched_out, launched.result())
+
+    def _process(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         progressed = {r.request_id for r in self.scheduler.update_from_output(sched_out, result.sampled)}
         outputs = []
         for s in sched_out.scheduled:

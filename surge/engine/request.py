@@ -62,7 +62,10 @@ class Request(TokenSequence):
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output
         self.status = RequestStatus.WAITING
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # tokens whose KV a launched step computes (advanced when it is scheduled)
+        # Tokens sampled by launched steps that have not reached the host yet (async scheduling keeps one step in
+        # flight; the next step reads such a token from the device).
+        self.num_pending_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache at first scheduling
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
@@ -73,6 +76,10 @@ class Request(TokenSequence):
         self.generator = sampling_generator(params, device)
         # Prompt positions whose logprobs were already returned (prompt logprobs are computed once).
         self.num_prompt_logprobs_done = 0
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def is_finished(self) -> bool:

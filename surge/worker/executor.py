@@ -126,6 +126,7 @@ class NodeLauncher:
         decoder = msgspec.msgpack.Decoder(WorkerReady)
         pending = dict(ready_fds)
         num_blocks = 0
+        self.load_seconds = 0.0  # the slowest rank's weight load
         deadline = time.monotonic() + timeout
         while pending:
             readable, _, _ = select.select(list(pending.values()), [], [], 0.1)
@@ -139,6 +140,7 @@ class NodeLauncher:
                 if ready.error is not None:
                     self.fail(f"tensor-parallel rank {rank} failed to start: {ready.error}")
                 num_blocks = min(num_blocks, ready.num_blocks) if num_blocks else ready.num_blocks
+                self.load_seconds = max(self.load_seconds, ready.load_seconds)
                 del pending[rank]
             self.check()
             if time.monotonic() > deadline:
@@ -236,6 +238,11 @@ class MultiprocExecutor:
             self.launcher.fail(f"rank 0 did not answer a step within {timeout:.0f} s (SURGE_RANK_TIMEOUT); a rank "
                                 "is hung, or one on another node died")
             raise
+
+    @property
+    def load_seconds(self) -> float:
+        """The slowest local rank's weight load."""
+        return self.launcher.load_seconds
 
     @property
     def model(self) -> torch.nn.Module:

@@ -66,10 +66,13 @@ class ModelRunner:
         self.device = config.device
         mc = config.model_config
         start = time.perf_counter()
-        self.model = load_model(mc, self.device, config.seed)
-        logger.info("loaded %s (%s, %s) in %.2f s", mc.architecture, mc.dtype, self.device,
-                    time.perf_counter() - start)
+        self.model = load_model(config, self.device)  # from disk, or mapped from the weight-cache daemon
+        self.load_seconds = time.perf_counter() - start
+        logger.info("loaded %s (%s, %s) in %.2f s", mc.architecture, mc.dtype, self.device, self.load_seconds)
         self.sampler = Sampler()
+        # The last step's sampled tokens, still on the device, and each request's row in them.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         self.samples = get_tp_group().rank == 0  # the rank that receives logits
         self.backend = get_backend(default_backend_name(self.device))
         self.kv_cache_config = self._size_kv_cache()
@@ -142,12 +145,17 @@ class ModelRunner:
             attn.kv_cache, attn.group_id, attn.backend = cache, group.group_id, self.backend
             self.kv_caches.append(cache)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        result = ModelRunnerOutput()
+        return self.execute_async(out).result()
+
+    @torch.inference_mode()
+    def execute_async(self, out: SchedulerOutput) -> PendingOutput:
+        """Launch the step on the device and return without waiting for it. Its sampled tokens stay on the device
+        too, where the next step reads any token it needs before the host has it."""
+        pending = PendingOutput()
         if out.is_empty:
-            return result
-        num_tokens, num_reqs, query_start_loc, seq_lens = self.inputs.fill(out)
+            return pending
+        num_tokens, num_reqs, query_start_loc, seq_lens = self.inputs.fill(out, self._last_sampled, self._last_rows)
         max_query_len = max(s.num_new_tokens for s in out.scheduled)
         meta = self.inputs.metadata(num_tokens, num_reqs, query_start_loc, seq_lens, max_query_len, max(seq_lens))
         if self.graph_runner is not None and max_query_len == 1 and self.graph_runner.padded_size(num_reqs):
@@ -156,9 +164,7 @@ class ModelRunner:
             hidden = self.model(self.inputs.input_ids[:num_tokens], self.inputs.positions[:num_tokens], meta)
 
         # Rows that need logits: the last position of each sampling request, then prompt-logprob positions.
-        sample_idx, rows = [], []
-        # (req id, top-N, first pos, hidden rows, targets)
-        prompt_rows: list[tuple[str, int, int, list[int], list[int]]] = []
+        sample_idx, rows, sample_ids, num_logprobs = [], [], [], []
         for i, s in enumerate(out.scheduled):
             req = s.request
             start = meta.query_start_loc[i]
@@ -166,45 +172,83 @@ class ModelRunner:
                 sample_idx.append(meta.query_start_loc[i + 1] - 1)
             if s.samples and self.samples:
                 p = req.params
+                # Tokens generated before this one: the sampled token sits at position computed + new.
+                num_generated = s.num_computed_tokens + s.num_new_tokens - req.num_prompt_tokens
                 history = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                if history and num_generated != req.num_output_tokens:
+                    raise RuntimeError(f"request {req.request_id!r} uses penalties, which need every earlier token "
+                                       "on the host; the engine must not schedule it ahead of them")
                 rows.append(SamplingRow(p, req.prompt_token_ids, req.output_token_ids if history else [],
-                                        req.generator, req.num_output_tokens))
+                                        req.generator, num_generated))
+                sample_ids.append(req.request_id)
+                num_logprobs.append(p.logprobs)
             if req.params.prompt_logprobs is not None:
                 lo = max(s.num_computed_tokens, req.num_prompt_logprobs_done)
                 hi = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
                 if hi > lo:
-                    prompt_rows.append((req.request_id, req.params.prompt_logprobs, lo,
-                                        [start + p - s.num_computed_tokens for p in range(lo, hi)],
-                                        req.prompt_token_ids[lo + 1:hi + 1]))
+                    idx = [start + p - s.num_computed_tokens for p in range(lo, hi)]
+                    logits = self.model.compute_logits(hidden[_on(self.device, idx)])
+                    if logits is not None:
+                        targets = _on(self.device, req.prompt_token_ids[lo + 1:hi + 1])
+                        ids, lps, ranks = compute_token_logprobs(logits.float(), targets, req.params.prompt_logprobs)
+                        pending.prompt_logprobs.append((req.request_id, lo, _to_host(ids), _to_host(lps),
+                                                        _to_host(ranks)))
                     req.num_prompt_logprobs_done = hi
-        logits = None  # stays None on ranks other than 0
         if sample_idx:
             rows_hidden = hidden if len(sample_idx) == hidden.shape[0] else \
-                hidden[torch.tensor(sample_idx, device=self.device)]  # decode-only: every row samples, in order
-            logits = self.model.compute_logits(rows_hidden)
-        if logits is not None:
-            logits = logits.float()
-            sampler_out = self.sampler(logits, rows)
-            sampled = sampler_out.sampled_token_ids.tolist()
-            has_lp = sampler_out.logprobs is not None
-            if has_lp:
-                lp_ids = sampler_out.logprob_token_ids.tolist()
-                lps = sampler_out.logprobs.tolist()
-                ranks = sampler_out.sampled_token_ranks.tolist()
-            j = 0
-            for s in out.scheduled:
-                if not s.samples:
-                    continue
-                rid = s.request.request_id
-                result.sampled[rid] = sampled[j]
-                num = s.request.params.logprobs
-                if has_lp and num is not None:
-                    result.logprobs[rid] = (lp_ids[j][:1 + num], lps[j][:1 + num], ranks[j])
-                j += 1
-        for rid, num, first, idx, targets in prompt_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)])
-            if logits is None:
-                continue
-            ids, lps, ranks = compute_token_logprobs(logits.float(), torch.tensor(targets, device=self.device), num)
+                hidden[_on(self.device, sample_idx)]  # decode-only: every row samples, in order
+            logits = self.model.compute_logits(rows_hidden)  # None on ranks other than 0
+            if logits is not None:
+                sampler_out = self.sampler(logits, rows)
+                self._last_sampled = sampler_out.sampled_token_ids
+                self._last_rows = {rid: j for j, rid in enumerate(sample_ids)}
+                pending.sample_ids, pending.num_logprobs = sample_ids, num_logprobs
+                pending.sampled = _to_host(sampler_out.sampled_token_ids)
+                if sampler_out.logprobs is not None:
+                    pending.logprobs = (_to_host(sampler_out.logprob_token_ids), _to_host(sampler_out.logprobs),
+                                        _to_host(sampler_out.sampled_token_ranks))
+        if self.device.type == "cuda":
+            pending.done = torch.cuda.Event()
+            pending.done.record()
+        return pending
+
+
+def _on(device: torch.device, values: list[int]) -> torch.Tensor:
+    """A small index tensor on the device without making the host wait for the device (pinned, async copy)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor to (pinned) host memory; PendingOutput.result() waits for it."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+@dataclass
+class PendingOutput:
+    """A launched step: host copies of its results, complete once `done` (a CUDA event) has passed."""
+    done: torch.cuda.Event | None = None
+    sample_ids: list[str] = field(default_factory=list)  # request ids of the sampled rows, in order
+    num_logprobs: list[int | None] = field(default_factory=list)
+    sampled: torch.Tensor | None = None
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    prompt_logprobs: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def result(self) -> ModelRunnerOutput:
+        if self.done is not None:
+            self.done.synchronize()
+        result = ModelRunnerOutput()
+        if self.sampled is not None:
+            result.sampled = dict(zip(self.sample_ids, self.sampled.tolist()))
+        if self.logprobs is not None:
+            ids, lps, ranks = (t.tolist() for t in self.logprobs)
+            for j, (rid, num) in enumerate(zip(self.sample_ids, self.num_logprobs)):
+                if num is not None:
+                    result.logprobs[rid] = (ids[j][:1 + num], lps[j][:1 + num], ranks[j])
+        for rid, first, ids, lps, ranks in self.prompt_logprobs:
             result.prompt_logprobs[rid] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
         return result

@@ -3,8 +3,6 @@ tables, sized by capacity. Each step fills a prefix; CUDA graphs capture views o
 """
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 
@@ -24,14 +22,20 @@ class StepInputs:
                              for _ in range(num_groups)]
         self.seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
-        self._staging: torch.Tensor | None = None  # packed host inputs (pinned on CUDA), grown on demand
+        # Packed host inputs (pinned on CUDA), two used in turn, grown on demand; and their device copy.
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
         self._staging_dev: torch.Tensor | None = None
+        self._arange = torch.arange(max_reqs + 1, dtype=torch.int32, device=device)
 
-    def fill(self, out: SchedulerOutput) -> tuple[int, int, list[int], list[int]]:
+    def fill(self, out: SchedulerOutput, last_sampled: torch.Tensor | None = None,
+             last_rows: dict[str, int] | None = None) -> tuple[int, int, list[int], list[int]]:
         """Copy a step's inputs into the buffers; returns (num_tokens, num_reqs, query_start_loc, seq_lens).
 
         Everything is packed into one int64 host array and crosses to the device in a single copy, then is
-        scattered into the typed buffers by device-side copies: per-step host work stays small at batch 1."""
+        scattered into the typed buffers by device-side copies: per-step host work stays small at batch 1.
+        A token still pending (sampled by the step before, not on the host yet) is taken on the device from
+        last_sampled[last_rows[request id]]."""
         block_size = self.block_size
         scheduled = out.scheduled
         num_reqs = len(scheduled)
@@ -41,15 +45,27 @@ class StepInputs:
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_new, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        if num_tokens == num_reqs:  # decode-only: one token each, the last known one
-            token_ids = np.fromiter((s.request.token_ids[s.num_computed_tokens] for s in scheduled),
-                                    dtype=np.int64, count=num_reqs)
+        pending_dst, pending_src = [], []  # token index in this step, row of last_sampled
+        token_list: list[int] = []
+        for i, s in enumerate(scheduled):
+            known = s.request.token_ids
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            if end <= len(known):
+                token_list.extend(known[start:end])
+                continue
+            # Only the one token after the known ones can be pending, and only a decode row asks for it.
+            if end != len(known) + 1 or last_rows is None or s.request.request_id not in last_rows:
+                raise RuntimeError(f"request {s.request.request_id!r}: tokens [{start}, {end}) are scheduled but "
+                                   f"only {len(known)} are known and the previous step sampled none for it")
+            token_list.extend(known[start:end - 1])
+            token_list.append(0)
+            pending_dst.append(int(query_start_loc[i + 1]) - 1)
+            pending_src.append(last_rows[s.request.request_id])
+        token_ids = np.asarray(token_list, dtype=np.int64)
+        if num_tokens == num_reqs:  # decode-only: one token each
             positions = starts
             req_of_token = np.arange(num_reqs)
         else:
-            token_ids = np.fromiter(itertools.chain.from_iterable(
-                s.request.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
-                for s in scheduled), dtype=np.int64, count=num_tokens)
             req_of_token = np.repeat(np.arange(num_reqs), num_new)
             positions = np.arange(num_tokens) - query_start_loc[req_of_token] + starts[req_of_token]
         parts = [token_ids, positions, seq_lens, query_start_loc]
@@ -63,12 +79,18 @@ class StepInputs:
             slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
             parts += [slots, table.reshape(-1)]
             widths.append(width)
+        parts += [np.asarray(pending_dst, dtype=np.int64), np.asarray(pending_src, dtype=np.int64)]
         packed = np.concatenate(parts)
-        if self._staging is None or self._staging.numel() < packed.size:
+        # Two staging buffers, used in turn: with a step in flight, its copy may not have read its buffer yet.
+        self._turn ^= 1
+        staging = self._staging[self._turn]
+        if staging is None or staging.numel() < packed.size:
             pin = self.device.type == "cuda"
-            self._staging = torch.empty(max(packed.size, 1 << 16), dtype=torch.int64, pin_memory=pin)
-            self._staging_dev = torch.empty(self._staging.numel(), dtype=torch.int64, device=self.device)
-        host = self._staging[:packed.size]
+            staging = self._staging[self._turn] = torch.empty(max(packed.size, 1 << 16), dtype=torch.int64,
+                                                              pin_memory=pin)
+        if self._staging_dev is None or self._staging_dev.numel() < packed.size:
+            self._staging_dev = torch.empty(max(packed.size, 1 << 16), dtype=torch.int64, device=self.device)
+        host = staging[:packed.size]
         host.numpy()[:] = packed
         dev = self._staging_dev[:packed.size]
         dev.copy_(host, non_blocking=True)
@@ -86,6 +108,9 @@ class StepInputs:
         for g, width in enumerate(widths):
             self.slot_mapping[g][:num_tokens].copy_(take(num_tokens))
             self.block_tables[g][:num_reqs, :width].copy_(take(num_reqs * width).view(num_reqs, width))
+        if pending_dst:
+            dst, src = take(len(pending_dst)), take(len(pending_src))
+            self.input_ids.index_copy_(0, dst, last_sampled.index_select(0, src))
         return num_tokens, num_reqs, query_start_loc.tolist(), seq_lens.tolist()
 
     def pad_decode(self, num_reqs: int, padded: int) -> None:
@@ -99,8 +124,7 @@ class StepInputs:
             slots[num_reqs:padded].zero_()
             table[num_reqs:padded].zero_()
         self.seq_lens[num_reqs:padded].fill_(1)
-        self.query_start_loc[num_reqs + 1:padded + 1].copy_(
-            torch.arange(num_reqs + 1, padded + 1, dtype=torch.int32), non_blocking=True)
+        self.query_start_loc[num_reqs + 1:padded + 1].copy_(self._arange[num_reqs + 1:padded + 1])
 
     def metadata(self, num_tokens: int, num_reqs: int, query_start_loc: list[int], seq_lens: list[int],
                  max_query_len: int, max_seq_len: int) -> AttentionMetadata:

@@ -112,5 +112,7 @@ class RequestCache:
         for c in msg.scheduled:
             req = self.requests[c.request_id]
             req.token_ids.extend(c.new_token_ids)
-            out.scheduled.append(ScheduledRequest(req, c.num_computed_tokens, c.num_new_tokens, tuple(c.block_ids)))
+            samples = c.num_computed_tokens + c.num_new_tokens == req.num_tokens  # workers step synchronously
+            out.scheduled.append(ScheduledRequest(req, c.num_computed_tokens, c.num_new_tokens, tuple(c.block_ids),
+                                                  samples))
         return out

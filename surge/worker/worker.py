@@ -46,17 +46,18 @@ class WorkerArgs:
 class WorkerReady(msgspec.Struct, array_like=True):
     num_blocks: int = 0
     error: str | None = None
+    load_seconds: float = 0.0  # the rank's weight load (from disk or the weight cache)
 
 
 class ParentGone(SystemExit):
     pass
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel kills this process when its parent exits, however the parent ends."""
+def die_with_parent(parent_pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Linux: the kernel sends `sig` to this process when its parent exits, however the parent ends."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         raise ParentGone(1)
 
@@ -122,7 +123,8 @@ def main() -> int:
         traceback.print_exc()
         os.write(args.ready_fd, encoder.encode(WorkerReady(error=f"rank {args.rank}: {type(e).__name__}: {e}")))
         return 1
-    os.write(args.ready_fd, encoder.encode(WorkerReady(num_blocks=worker.runner.kv_cache_config.num_blocks)))
+    os.write(args.ready_fd, encoder.encode(WorkerReady(num_blocks=worker.runner.kv_cache_config.num_blocks,
+                                                       load_seconds=worker.runner.load_seconds)))
     os.close(args.ready_fd)
     try:
         worker.run()

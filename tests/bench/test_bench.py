@@ -26,3 +26,19 @@ def test_latency_reports_hardware_rates(capsys):
 def test_unknown_preset_is_refused(capsys):
     assert main(["bench", "latency", "--preset", "gpt-5"]) == 2
     assert "preset='gpt-5' is unknown" in capsys.readouterr().err
+
+
+def test_parity_reports_identity_and_where_outputs_part(capsys):
+    assert main(["bench", "parity", "--preset", "tiny-llama", "--num-prompts", "3", "--input-len", "8",
+                 "--input-len-max", "20", "--output-len", "10", "--hf-self-check"]) == 0
+    out = capsys.readouterr().out
+    assert "greedy outputs identical to HF generate (torch.float32): 3/3" in out
+    assert out.count("identical for 10 tokens") == 3 and "noise floor" in out
+
+
+def test_first_divergence():
+    from surge.bench.parity import first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2

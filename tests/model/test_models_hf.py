@@ -22,7 +22,7 @@ def _record_logits(llm: LLM) -> list[tuple[str, int, torch.Tensor]]:
     """Wrap the runner so every sampled row's logits are recorded with (request id, position of the row)."""
     runner = llm.engine.runner
     records: list[tuple[str, int, torch.Tensor]] = []
-    execute, compute_logits = runner.execute, runner.model.compute_logits
+    execute, compute_logits = runner.execute_async, runner.model.compute_logits  # execute() goes through it too
     pending: list[tuple[str, int]] = []
 
     def wrapped_execute(out):
@@ -37,7 +37,7 @@ def _record_logits(llm: LLM) -> list[tuple[str, int, torch.Tensor]]:
             pending.clear()
         return logits
 
-    runner.execute, runner.model.compute_logits = wrapped_execute, wrapped_logits
+    runner.execute_async, runner.model.compute_logits = wrapped_execute, wrapped_logits
     return records
 
 

@@ -1,4 +1,4 @@
-"""The `surge` command: serve, generate, chat, model-path, bench.
+"""The `surge` command: serve, generate, chat, model-path, bench, weight-cache.
 
 Heavy imports (torch, transformers) happen inside the subcommands, so `surge --help` answers at once.
 """
@@ -85,6 +85,27 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_parity(args: argparse.Namespace) -> int:
+    from surge.bench.parity import run_parity
+    return run_parity(args)
+
+
+def cmd_bench_startup(args: argparse.Namespace) -> int:
+    from surge.bench.startup import run_startup
+    return run_startup(args)
+
+
+def cmd_weight_cache_serve(args: argparse.Namespace) -> int:
+    from surge.config import EngineConfig
+    from surge.weight_cache.launcher import serve
+    kwargs = engine_kwargs(args)
+    if kwargs["load_format"] not in ("auto", "safetensors"):
+        raise ValueError(f"--load-format={kwargs['load_format']}: the daemons load the checkpoint itself (auto or "
+                         "safetensors)")
+    return serve(EngineConfig.create(**kwargs), args.weight_cache_dir, args.weight_cache_master_port,
+                 args.health_host, args.health_port)
+
+
 def run_headless_node(args: argparse.Namespace) -> int:
     """--node-rank > 0: whatever the subcommand, this node only runs its ranks for node 0's engine."""
     from surge.config import EngineConfig
@@ -141,10 +162,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_latency_args(p)
     p.set_defaults(func=cmd_bench_latency)
+    from surge.bench.parity import add_parity_args
+    p = bench.add_parser("parity", help="greedy output against HF transformers on the same weights, with where "
+                         "and by how much they part")
+    add_engine_args(p)
+    add_parity_args(p)
+    p.set_defaults(func=cmd_bench_parity)
+    from surge.bench.startup import add_startup_args
+    p = bench.add_parser("startup", help="cold start (disk) against warm start (weight-cache daemon): weight-load "
+                         "seconds and time from process start to first token")
+    add_engine_args(p)
+    add_startup_args(p)
+    p.set_defaults(func=cmd_bench_startup)
     from surge.bench.serve import add_serve_bench_args
     p = bench.add_parser("serve", help="online benchmark against any OpenAI-compatible server")
     add_serve_bench_args(p)
     p.set_defaults(func=cmd_bench_serve)
+
+    weight_cache = sub.add_parser("weight-cache", help="Fast Start: daemons that keep loaded weights for new "
+                                  "engines").add_subparsers(dest="weight_cache_command", required=True)
+    p = weight_cache.add_parser("serve", help="one launcher per node: a daemon per local device (per rank on CPU) "
+                                "loads its shard and serves it on a Unix socket until SIGTERM")
+    add_engine_args(p, model_positional=True)
+    g = p.add_argument_group("weight-cache daemons")
+    g.add_argument("--weight-cache-master-port", type=int, default=None, help="the daemons' own rendezvous port on "
+                   "--master-addr (required with --nnodes > 1; never the engine's --master-port)")
+    g.add_argument("--health-port", type=int, default=None, help="serve GET /health here: 200 when every local "
+                   "daemon is ready, 503 otherwise")
+    g.add_argument("--health-host", default="127.0.0.1", help="address of the /health endpoint")
+    p.set_defaults(func=cmd_weight_cache_serve)
     return parser
 
 
@@ -159,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        if getattr(args, "node_rank", 0) > 0:
+        if getattr(args, "node_rank", 0) > 0 and args.command != "weight-cache":  # daemons serve every node
             return run_headless_node(args)
         return args.func(args)
     except ValueError as e:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from surge.attention.backend import AttentionBackend, AttentionMetadata
+from surge.attention.backend import AttentionBackend, AttentionMetadata, Prologue
 
 
 class Attention(nn.Module):
@@ -18,5 +18,7 @@ class Attention(nn.Module):
         self.group_id = 0
         self.backend: AttentionBackend | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.kv_cache, meta, self.group_id, self.sliding_window, self.scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                prologue: Prologue | None = None) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self.kv_cache, meta, self.group_id, self.sliding_window, self.scale,
+                                    prologue)

@@ -46,6 +46,13 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict) -> None:
         super().__init__()
+        if torch.get_default_device().type == "meta":
+            # A skeleton whose tables are bound later (the weight cache): shapes only. Math on meta tensors runs
+            # torch's Python meta kernels, whose first use imports ~1 s of modules.
+            shape = (max_position, head_dim // 2)
+            self.register_buffer("cos_cache", torch.empty(shape, dtype=torch.float32), persistent=False)
+            self.register_buffer("sin_cache", torch.empty(shape, dtype=torch.float32), persistent=False)
+            return
         inv_freq = _inv_freq(head_dim, params)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)

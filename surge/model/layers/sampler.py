@@ -39,16 +39,25 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
-        raw = logits.float()
-        logits = logits.to(torch.float32, copy=True)  # never touch the caller's tensor: raw logprobs need it
-        _apply_min_tokens(logits, rows)
-        _apply_penalties(logits, rows)
+        max_n = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+        raw = logits.float()  # logprobs come from these; the caller's tensor is never written
+        vocab_size = logits.shape[1]
+        masked = [(i, t) for i, r in enumerate(rows) if r.num_generated < r.params.min_tokens
+                  for t in r.params.all_stop_token_ids if t < vocab_size]
+        if masked or _has_penalties(rows):
+            # A private copy unless .float() already made one that nothing else reads.
+            logits = raw.clone() if raw is logits or max_n is not None else raw
+            if masked:
+                row_idx, token_idx = _device_tensor(masked, logits.device).T
+                logits[row_idx, token_idx] = float("-inf")
+            _apply_penalties(logits, rows)
+        else:
+            logits = raw
         sampled = logits.argmax(dim=-1)  # greedy; ties go to the lowest id
         greedy = [r.params.greedy for r in rows]
         if not all(greedy):
-            is_greedy = torch.tensor(greedy, device=logits.device)
+            is_greedy = _device_tensor(greedy, logits.device, torch.bool)
             sampled = torch.where(is_greedy, sampled, _sample(logits, rows))
-        max_n = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         if max_n is None:
             return SamplerOutput(sampled)
         ids, logprobs, ranks = compute_token_logprobs(raw, sampled, max_n)
@@ -70,21 +79,23 @@ def compute_token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
     return (torch.cat([target_ids, top_ids], dim=1), torch.cat([target_logprobs, top_logprobs], dim=1), ranks)
 
 
-def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    vocab_size = logits.shape[1]
-    masked = [(i, t) for i, r in enumerate(rows) if r.num_generated < r.params.min_tokens
-              for t in r.params.all_stop_token_ids if t < vocab_size]
-    if masked:
-        row_idx, token_idx = torch.tensor(masked, device=logits.device).T
-        logits[row_idx, token_idx] = float("-inf")
+def _device_tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small tensor from host values, copied without making the host wait for the device's queued work."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def _has_penalties(rows: list[SamplingRow]) -> bool:
+    return any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
+               for r in rows)
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[n, V] float32 occurrence counts, built with one scatter rather than a loop over tokens."""
     counts = torch.zeros(len(token_lists), vocab_size, device=device)
-    token_ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=device)
+    token_ids = _device_tensor(list(itertools.chain.from_iterable(token_lists)), device, torch.long)
     if token_ids.numel():
-        lengths = torch.tensor([len(t) for t in token_lists], device=device)
+        lengths = _device_tensor([len(t) for t in token_lists], device)
         row_idx = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
         counts.index_put_((row_idx, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
     return counts
@@ -95,7 +106,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     repetition = [p.repetition_penalty for p in params]
     frequency = [p.frequency_penalty for p in params]
     presence = [p.presence_penalty for p in params]
-    if all(r == 1.0 for r in repetition) and not any(frequency) and not any(presence):
+    if not _has_penalties(rows):
         return
     n, vocab_size = logits.shape
     device = logits.device
@@ -107,11 +118,11 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         prompt_counts = _token_counts(
             [r.prompt_token_ids if p.repetition_penalty != 1.0 else [] for r, p in zip(rows, params)],
             vocab_size, device)
-        penalty = torch.tensor(repetition, device=device)[:, None]
+        penalty = _device_tensor(repetition, device)[:, None]
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits.copy_(torch.where((prompt_counts + output_counts) > 0, penalized, logits))
-    frequency_t = torch.tensor(frequency, device=device)[:, None]
-    presence_t = torch.tensor(presence, device=device)[:, None]
+    frequency_t = _device_tensor(frequency, device)[:, None]
+    presence_t = _device_tensor(presence, device)[:, None]
     logits -= frequency_t * output_counts + presence_t * (output_counts > 0).float()
 
 
@@ -120,16 +131,16 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     params = [r.params for r in rows]
     vocab_size = logits.shape[1]
     device = logits.device
-    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    temperature = _device_tensor([p.temperature if not p.greedy else 1.0 for p in params], device)
     logits = logits / temperature[:, None]
     top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
     top_p = [p.top_p for p in params]
     if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _apply_top_k_top_p(logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+        logits = _apply_top_k_top_p(logits, _device_tensor(top_k, device), _device_tensor(top_p, device))
     min_p = [p.min_p for p in params]
     if any(min_p):
         probs = logits.softmax(dim=-1)
-        threshold = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        threshold = _device_tensor(min_p, device)[:, None] * probs.amax(dim=-1, keepdim=True)
         logits.masked_fill_(probs < threshold, float("-inf"))
     probs = logits.softmax(dim=-1)
     return probs.div_(_exponential_noise(rows, vocab_size, device)).argmax(dim=-1)

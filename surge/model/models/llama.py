@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from surge.attention.backend import AttentionMetadata
+from surge.attention.backend import AttentionMetadata, Prologue
 from surge.model.layers.activation import SiluAndMul
 from surge.model.layers.attention import Attention
 from surge.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -46,10 +46,7 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v.contiguous(), meta)
+        out = self.attn(q, k, v, meta, Prologue(positions, self.rotary, self.q_norm, self.k_norm))
         return self.o_proj(out.flatten(1))
 
 

@@ -1,0 +1,228 @@
+"""`surge bench startup`: cold start (weights from disk) against warm start (weights from the weight-cache daemons),
+each engine in a fresh process: weight-load seconds (with GB/s) and time from process start to first token.
+
+`--preset NAME --checkpoint-dir DIR` first writes the preset's random weights there as an HF checkpoint (kept for
+later runs). There is no tokenizer: the prompt is random token ids. The daemons are started in a private temporary
+directory and stopped afterwards, unless --use-daemon names the socket directory of running ones.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from surge.bench.common import add_model_args
+from surge.entrypoints.cli.args import engine_kwargs
+
+_RESULT = "SURGE_STARTUP_RESULT "
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def add_startup_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    g = p.add_argument_group("startup")
+    g.add_argument("--checkpoint-dir", default=None, help="with --preset: the preset's random weights as an HF "
+                   "checkpoint in this directory, written when missing")
+    g.add_argument("--use-daemon", default=None, metavar="DIR", help="socket directory of running weight-cache "
+                   "daemons (default: start them in a temporary directory and stop them after)")
+    g.add_argument("--input-len", type=int, default=16, help="prompt tokens of the first request")
+    g.add_argument("--parity", action="store_true", help="then compare the daemon's tensors with a disk load "
+                   "(names, shapes, dtypes, strides, sha256; tensor_parallel_size 1)")
+    g.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed to each engine process and to the "
+                   "daemons' start")
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def child_main() -> None:
+    """One engine in a fresh process: build it, take one request to its first token, report on stdout."""
+    spec = json.loads(sys.stdin.read())
+    from surge.bench.common import make_workload, run_engine
+    from surge.config import EngineConfig
+    from surge.engine.core import EngineCore
+    engine = EngineCore(EngineConfig.create(**spec["engine"]))
+    ready_at = time.monotonic()
+    mc = engine.config.model_config
+    prompt, _ = make_workload(1, spec["input_len"], 1, 0.0, mc.vocab_size, 0)[0]
+    run_engine(engine, [(prompt, 1)], show_progress=False)
+    first_token_at = time.monotonic()
+    runner = engine.runner
+    graphs = getattr(runner, "graph_runner", None)  # the in-process runner's phases (tensor_parallel_size 1)
+    print(_RESULT + json.dumps({"load_seconds": runner.load_seconds, "ready_at": ready_at,
+                                "first_token_at": first_token_at,
+                                "warmup_seconds": getattr(runner, "warmup_seconds", 0.0),
+                                "capture_seconds": graphs.capture_seconds if graphs is not None else 0.0}),
+          flush=True)
+    engine.shutdown()
+
+
+def _run_child(engine: dict, input_len: int, timeout: float, what: str) -> dict:
+    print(f"{what}: starting a fresh engine process", flush=True)
+    spawned_at = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", "from surge.bench.startup import child_main; child_main()"],
+                          input=json.dumps({"engine": engine, "input_len": input_len}), stdout=subprocess.PIPE,
+                          text=True, env=_env(), timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{what}: the engine process exited with code {proc.returncode} (its log is above)")
+    result = json.loads(lines[-1][len(_RESULT):])
+    result["ttft_from_start"] = result["first_token_at"] - spawned_at
+    result["ready_from_start"] = result["ready_at"] - spawned_at
+    print(f"{what}: weights in {result['load_seconds']:.2f} s, kernel warm-up {result['warmup_seconds']:.2f} s, "
+          f"CUDA graph capture {result['capture_seconds']:.2f} s, ready {result['ready_from_start']:.2f} s and "
+          f"first token {result['ttft_from_start']:.2f} s after the process started", flush=True)
+    return result
+
+
+class _Daemons:
+    """`surge weight-cache serve` in a subprocess, ready when every socket answers `health` with "ready"."""
+
+    def __init__(self, engine: dict, socket_dir: str, timeout: float) -> None:
+        cmd = [sys.executable, "-m", "surge.entrypoints.cli.main", "weight-cache", "serve", str(engine["model"]),
+               "--dtype", str(engine["dtype"]), "-tp", str(engine["tensor_parallel_size"]),
+               "--weight-cache-dir", socket_dir]
+        for flag, key in (("--device", "device"), ("--max-model-len", "max_model_len")):
+            if engine.get(key) is not None:
+                cmd += [flag, str(engine[key])]
+        self.socket_dir, self.tp = Path(socket_dir), engine["tensor_parallel_size"]
+        self.proc = subprocess.Popen(cmd, env=_env(), stdin=subprocess.DEVNULL)
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, timeout: float) -> None:
+        from surge.weight_cache.launcher import socket_states
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the weight-cache daemons exited with code {self.proc.returncode} (log above)")
+            states = socket_states(self.socket_dir)
+            if len(states) == self.tp and set(states.values()) == {"ready"}:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"the weight-cache daemons were not ready within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _daemon_memory(socket_dir: Path) -> int:
+    from surge.weight_cache.protocol import DaemonClient, GetMemory, MemoryReply
+    total = 0
+    for path in Path(socket_dir).glob("*.sock"):
+        with DaemonClient(path, 5.0) as client:
+            reply = client.request(GetMemory())
+        if isinstance(reply, MemoryReply):
+            total += reply.device_bytes
+    return total
+
+
+def _parity(engine: dict) -> list[str]:
+    """The daemon's rank-0 tensors (mapped, zero copy) against a disk load of the same checkpoint on the CPU."""
+    from surge.config import EngineConfig
+    from surge.model.loader.safetensors_loader import load_from_disk
+    from surge.weight_cache.ipc_loader import fetch_model
+    from surge.weight_cache.parity import diff_fingerprints, fingerprint
+    config = EngineConfig.create(**{**engine, "weight_cache_mode": "zero_copy"})
+    cached = fingerprint(fetch_model(config, config.device, 0))
+    gc.collect()  # the mapping goes before the daemons do
+    disk = fingerprint(load_from_disk(config.model_config, torch.device("cpu")))
+    return diff_fingerprints(cached, disk)
+
+
+def run_startup(args: argparse.Namespace) -> int:
+    from surge.config import EngineConfig
+    from surge.model.loader.preset_checkpoint import write_preset_checkpoint
+    from surge.model.loader.safetensors_loader import build_model
+
+    engine = engine_kwargs(args)
+    if args.preset:
+        if engine["model"]:
+            raise ValueError("give --model or --preset, not both")
+        if not args.checkpoint_dir:
+            raise ValueError("--preset needs --checkpoint-dir: a warm start serves a checkpoint, so the preset's "
+                             "random weights are written there first")
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        start = time.perf_counter()
+        path = write_preset_checkpoint(args.preset, args.checkpoint_dir, args.dtype, device, seed=args.engine_seed)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the engines measured next see the whole device
+        print(f"checkpoint: preset {args.preset} in {path} ({time.perf_counter() - start:.1f} s)", flush=True)
+        engine["model"] = str(path)
+    elif args.checkpoint_dir:
+        raise ValueError("--checkpoint-dir goes with --preset (give a checkpoint itself with --model)")
+    if engine["nnodes"] != 1:
+        raise ValueError("surge bench startup runs on one node (--nnodes 1)")
+    engine.update(enforce_eager=args.enforce_eager, warmup_workers=args.warmup_workers, load_format="safetensors")
+    config = EngineConfig.create(**engine)  # validates the options once, before any process starts
+    engine["model"] = config.model_config.model
+    mc = config.model_config
+    weights = sum(p.numel() * p.element_size() for p in build_model(mc, torch.device("meta")).parameters())
+    print(f"startup of {mc.model}: {mc.architecture}, {mc.dtype}, tp={config.parallel_config.tensor_parallel_size}, "
+          f"{config.device}, {weights / 1e9:.2f} GB of weights", flush=True)
+
+    cold = _run_child(engine, args.input_len, args.timeout, "cold start (disk)")
+    tmp_dir = None if args.use_daemon else tempfile.mkdtemp(prefix="surge-wc-")
+    socket_dir = args.use_daemon or tmp_dir
+    daemons = None
+    try:
+        if tmp_dir is not None:
+            start = time.perf_counter()
+            daemons = _Daemons(engine, socket_dir, args.timeout)
+            print(f"weight-cache daemons (sockets in {socket_dir}) ready in {time.perf_counter() - start:.1f} s, "
+                  f"holding {_daemon_memory(Path(socket_dir)) / 1e9:.2f} GB", flush=True)
+        warm_engine = {**engine, "load_format": "weight_cache", "weight_cache_dir": socket_dir,
+                       "weight_cache_fallback": False}
+        warm = _run_child(warm_engine, args.input_len, args.timeout, "warm start (daemon)")
+        parity = None
+        if args.parity and engine["tensor_parallel_size"] == 1 and engine["weight_cache_mode"] == "zero_copy":
+            parity = _parity(warm_engine)
+        elif args.parity:
+            print("parity: skipped (it needs tensor_parallel_size 1, and daemons a copy-mode engine has not "
+                  "released)", flush=True)
+    finally:
+        if daemons is not None:
+            daemons.stop()
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+
+    def row(name: str, r: dict) -> str:
+        rate = weights / r["load_seconds"] / 1e9 if r["load_seconds"] > 0 else float("inf")
+        return (f"{name:<16}{r['load_seconds']:>9.2f} s {rate:>8.1f} GB/s{r['ready_from_start']:>13.2f} s"
+                f"{r['ttft_from_start']:>14.2f} s")
+    print(f"{'':<16}{'weight load':>24}{'ready':>15}{'first token':>16}   (from process start)")
+    print(row("cold (disk)", cold))
+    print(row("warm (daemon)", warm))
+    print(f"{'speed-up':<16}{cold['load_seconds'] / max(warm['load_seconds'], 1e-9):>10.1f}x{'':<13}"
+          f"{cold['ready_from_start'] / warm['ready_from_start']:>14.1f}x"
+          f"{cold['ttft_from_start'] / warm['ttft_from_start']:>15.1f}x", flush=True)
+    if parity is not None:
+        if parity:
+            print(f"parity: {len(parity)} difference(s) between the daemon's tensors and a disk load:")
+            for line in parity[:20]:
+                print(f"  {line}")
+            return 1
+        print("parity: the daemon's tensors equal a disk load (names, shapes, dtypes, strides, sha256)")
+    return 0
