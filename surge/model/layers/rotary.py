@@ -53,11 +53,14 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("cos_cache", torch.empty(shape, dtype=torch.float32), persistent=False)
             self.register_buffer("sin_cache", torch.empty(shape, dtype=torch.float32), persistent=False)
             return
-        inv_freq = _inv_freq(head_dim, params)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [max_position, head_dim // 2]
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        # Computed on the CPU whatever the model's device: the same bits everywhere (a GPU's cos/sin differ in the
+        # last place), so a disk load, a weight-cache daemon and a CPU test all hold identical tables.
+        device = torch.get_default_device()
+        with torch.device("cpu"):
+            inv_freq = _inv_freq(head_dim, params)
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_cache", freqs.cos().to(device), persistent=False)  # [max_position, head_dim // 2]
+        self.register_buffer("sin_cache", freqs.sin().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. On CUDA rotated in place by a Triton kernel."""
