@@ -4,14 +4,13 @@
 reason the cache cannot serve falls back to disk with a warning naming it, or fails with it when fallback is off."""
 from __future__ import annotations
 
-import functools
 import os
 import re
 
 import pytest
 import torch
 
-from surge import LLM, SamplingParams
+from surge import LLM
 from surge.config import EngineConfig
 from surge.model.loader.safetensors_loader import load_from_disk
 from surge.weight_cache.ipc_loader import WeightCacheError, fetch_model
@@ -19,37 +18,7 @@ from surge.weight_cache.parity import diff_fingerprints, fingerprint
 from surge.weight_cache.protocol import DaemonClient, GetMemory
 from surge.weight_cache.socket_dir import DaemonLock, ensure_private_dir, lock_path
 from tiny_models import make_tiny_model
-from weight_cache_daemons import ENGINE, running_daemon
-
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [100, 3, 250, 17], list(range(30, 70))]
-PARAMS = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-          SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True),
-          SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)]
-
-
-def generate(model_dir, **kwargs) -> list[list[int]]:
-    if not kwargs:
-        return _from_disk(str(model_dir))
-    llm = LLM(model_dir, **{**ENGINE, **kwargs})
-    try:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
-    finally:
-        llm.engine.shutdown()
-
-
-@functools.cache
-def _from_disk(model_dir: str) -> list[list[int]]:
-    """The reference: the same engine loading from disk (computed once per checkpoint)."""
-    llm = LLM(model_dir, **ENGINE)
-    try:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
-    finally:
-        llm.engine.shutdown()
-
-
-def cached(socket_dir, **kwargs) -> dict:
-    return dict(load_format="weight_cache", weight_cache_dir=str(socket_dir), **kwargs)
-
+from weight_cache_daemons import ENGINE, cached, generate, running_daemon
 
 def _config(model_dir, socket_dir, **kwargs) -> EngineConfig:
     return EngineConfig.create(model_dir, device="cpu", max_model_len=128, **cached(socket_dir, **kwargs))

@@ -4,7 +4,6 @@ SIGTERM removes sockets and locks and ends every daemon; a daemon killed before 
 socket that engines fall back past and the next daemon replaces; a second launcher is stopped by the lock."""
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import socket
@@ -13,41 +12,11 @@ import sys
 
 import pytest
 
-from surge import LLM, SamplingParams
+from surge import LLM
 from surge.weight_cache.ipc_loader import WeightCacheError
 from surge.weight_cache.launcher import socket_states
 from tiny_models import make_tiny_model
-from weight_cache_daemons import ENGINE, ServeProcess, get_health, wait_gone
-
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [100, 3, 250, 17], list(range(30, 70))]
-PARAMS = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
-          SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True),
-          SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3)]
-
-
-def generate(model_dir, tp: int = 1, **kwargs) -> list[list[int]]:
-    if tp == 1 and not kwargs:
-        return _from_disk(str(model_dir))
-    llm = LLM(model_dir, tensor_parallel_size=tp, **{**ENGINE, **kwargs})
-    try:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
-    finally:
-        llm.engine.shutdown()
-
-
-@functools.cache
-def _from_disk(model_dir: str) -> list[list[int]]:
-    """The reference: one rank loading from disk (computed once per checkpoint)."""
-    llm = LLM(model_dir, **ENGINE)
-    try:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
-    finally:
-        llm.engine.shutdown()
-
-
-def cached(socket_dir, **kwargs) -> dict:
-    return dict(load_format="weight_cache", weight_cache_dir=str(socket_dir), **kwargs)
-
+from weight_cache_daemons import ENGINE, ServeProcess, cached, generate, get_health, wait_gone
 
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]

@@ -4,6 +4,7 @@ then SIGKILL on the way out); and a /health client."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from surge import LLM, SamplingParams
 from surge.config import EngineConfig
 from surge.weight_cache.daemon import WeightCacheDaemon
 from surge.weight_cache.launcher import socket_states
@@ -23,6 +25,36 @@ from surge.weight_cache.protocol import DaemonClient, Health
 
 ENGINE = dict(device="cpu", max_model_len=128, block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=24)
 ENGINE_ARGS = ("--device", "cpu", "--max-model-len", "128")
+# One workload for every comparison with a disk load: greedy with logprobs, seeded sampling, a penalty.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [100, 3, 250, 17], list(range(30, 70))]
+PARAMS = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
+          SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3)]
+
+
+def generate(model_dir, tp: int = 1, **kwargs) -> list[list[int]]:
+    """Output tokens of an engine with these options (the disk-load reference when there are none)."""
+    if tp == 1 and not kwargs:
+        return _from_disk(str(model_dir))
+    llm = LLM(model_dir, tensor_parallel_size=tp, **{**ENGINE, **kwargs})
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+
+
+@functools.cache
+def _from_disk(model_dir: str) -> list[list[int]]:
+    """The reference: one rank loading from disk (computed once per checkpoint)."""
+    llm = LLM(model_dir, **ENGINE)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+
+
+def cached(socket_dir, **kwargs) -> dict:
+    return dict(load_format="weight_cache", weight_cache_dir=str(socket_dir), **kwargs)
 
 
 @contextlib.contextmanager
