@@ -77,6 +77,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def uses_penalties(self) -> bool:
+        """Repetition, presence or frequency penalty: sampling then reads the tokens generated so far."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+    @property
     def all_stop_token_ids(self) -> set[int]:
         ids = set(self.stop_token_ids)
         if not self.ignore_eos:

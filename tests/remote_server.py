@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from processes import pid_alive
+
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -43,13 +45,6 @@ def child_pids(pid: int) -> list[int]:
                 children.append(int(entry.name))
     return children
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 class RemoteServer:

@@ -145,8 +145,7 @@ class Scheduler:
     def needs_output_history(self) -> bool:
         """True when a running request's sampling reads its previous tokens (penalties): its next step must wait
         for the tokens of the one before."""
-        return any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
-                   for r in self.running)
+        return any(r.params.uses_penalties for r in self.running)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Append the step's sampled tokens, finish requests that hit a stop condition or a length limit.

@@ -19,7 +19,7 @@ from surge.core.scheduler import SchedulerOutput
 from surge.distributed.parallel_state import get_tp_group
 from surge.logger import init_logger
 from surge.model.layers.linear import num_kv_heads_per_rank
-from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs
+from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs, device_tensor
 from surge.model.loader.safetensors_loader import load_model
 from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from surge.worker.step_inputs import StepInputs
@@ -174,7 +174,7 @@ class ModelRunner:
                 p = req.params
                 # Tokens generated before this one: the sampled token sits at position computed + new.
                 num_generated = s.num_computed_tokens + s.num_new_tokens - req.num_prompt_tokens
-                history = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                history = p.uses_penalties
                 if history and num_generated != req.num_output_tokens:
                     raise RuntimeError(f"request {req.request_id!r} uses penalties, which need every earlier token "
                                        "on the host; the engine must not schedule it ahead of them")
@@ -187,16 +187,16 @@ class ModelRunner:
                 hi = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
                 if hi > lo:
                     idx = [start + p - s.num_computed_tokens for p in range(lo, hi)]
-                    logits = self.model.compute_logits(hidden[_on(self.device, idx)])
+                    logits = self.model.compute_logits(hidden[device_tensor(idx, self.device, torch.long)])
                     if logits is not None:
-                        targets = _on(self.device, req.prompt_token_ids[lo + 1:hi + 1])
+                        targets = device_tensor(req.prompt_token_ids[lo + 1:hi + 1], self.device, torch.long)
                         ids, lps, ranks = compute_token_logprobs(logits.float(), targets, req.params.prompt_logprobs)
                         pending.prompt_logprobs.append((req.request_id, lo, _to_host(ids), _to_host(lps),
                                                         _to_host(ranks)))
                     req.num_prompt_logprobs_done = hi
         if sample_idx:
             rows_hidden = hidden if len(sample_idx) == hidden.shape[0] else \
-                hidden[_on(self.device, sample_idx)]  # decode-only: every row samples, in order
+                hidden[device_tensor(sample_idx, self.device, torch.long)]  # decode-only: every row samples, in order
             logits = self.model.compute_logits(rows_hidden)  # None on ranks other than 0
             if logits is not None:
                 sampler_out = self.sampler(logits, rows)
@@ -211,12 +211,6 @@ class ModelRunner:
             pending.done = torch.cuda.Event()
             pending.done.record()
         return pending
-
-
-def _on(device: torch.device, values: list[int]) -> torch.Tensor:
-    """A small index tensor on the device without making the host wait for the device (pinned, async copy)."""
-    t = torch.tensor(values, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

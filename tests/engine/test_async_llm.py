@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from remote_server import pid_alive
+from processes import pid_alive
 from surge import LLM, SamplingParams
 from surge.engine.async_llm import AsyncLLM, RequestFailedError
 from surge.engine.core_proc import EngineDeadError

@@ -22,6 +22,7 @@ from surge.config import EngineConfig
 from surge.weight_cache.daemon import WeightCacheDaemon
 from surge.weight_cache.launcher import socket_states
 from surge.weight_cache.protocol import DaemonClient, Health
+from processes import pid_alive
 
 ENGINE = dict(device="cpu", max_model_len=128, block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=24)
 ENGINE_ARGS = ("--device", "cpu", "--max-model-len", "128")
@@ -135,14 +136,6 @@ class ServeProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-
-def pid_alive(pid: int) -> bool:
-    """Running, as opposed to gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def wait_gone(pid: int, timeout: float) -> bool:

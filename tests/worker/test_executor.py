@@ -8,32 +8,23 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from surge import LLM, SamplingParams
 from surge.worker.executor import WorkerDiedError
+from processes import pid_alive
 from tiny_models import make_tiny_model
-
-
-def _alive(pid: int) -> bool:
-    """Running, as opposed to gone or a zombie waiting for its (new) parent to reap it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
+        alive = [p for p in pids if pid_alive(p)]
         if not alive:
             return []
         time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if pid_alive(p)]
 
 
 @pytest.fixture(scope="module")

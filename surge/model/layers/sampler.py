@@ -48,7 +48,7 @@ class Sampler:
             # A private copy unless .float() already made one that nothing else reads.
             logits = raw.clone() if raw is logits or max_n is not None else raw
             if masked:
-                row_idx, token_idx = _device_tensor(masked, logits.device).T
+                row_idx, token_idx = device_tensor(masked, logits.device).T
                 logits[row_idx, token_idx] = float("-inf")
             _apply_penalties(logits, rows)
         else:
@@ -56,7 +56,7 @@ class Sampler:
         sampled = logits.argmax(dim=-1)  # greedy; ties go to the lowest id
         greedy = [r.params.greedy for r in rows]
         if not all(greedy):
-            is_greedy = _device_tensor(greedy, logits.device, torch.bool)
+            is_greedy = device_tensor(greedy, logits.device, torch.bool)
             sampled = torch.where(is_greedy, sampled, _sample(logits, rows))
         if max_n is None:
             return SamplerOutput(sampled)
@@ -79,23 +79,23 @@ def compute_token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
     return (torch.cat([target_ids, top_ids], dim=1), torch.cat([target_logprobs, top_logprobs], dim=1), ranks)
 
 
-def _device_tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small tensor from host values, copied without making the host wait for the device's queued work."""
+def device_tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small tensor from host values, copied (pinned, async) without making the host wait for the device's queued
+    work: with async scheduling a step's work is still queued when the next one is prepared."""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _has_penalties(rows: list[SamplingRow]) -> bool:
-    return any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
-               for r in rows)
+    return any(r.params.uses_penalties for r in rows)
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[n, V] float32 occurrence counts, built with one scatter rather than a loop over tokens."""
     counts = torch.zeros(len(token_lists), vocab_size, device=device)
-    token_ids = _device_tensor(list(itertools.chain.from_iterable(token_lists)), device, torch.long)
+    token_ids = device_tensor(list(itertools.chain.from_iterable(token_lists)), device, torch.long)
     if token_ids.numel():
-        lengths = _device_tensor([len(t) for t in token_lists], device)
+        lengths = device_tensor([len(t) for t in token_lists], device)
         row_idx = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
         counts.index_put_((row_idx, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
     return counts
@@ -112,17 +112,17 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     device = logits.device
     # Rows without penalties contribute no tokens, so their logits come through unchanged.
     output_counts = _token_counts(
-        [r.output_token_ids if (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty) else []
+        [r.output_token_ids if p.uses_penalties else []
          for r, p in zip(rows, params)], vocab_size, device)
     if any(r != 1.0 for r in repetition):
         prompt_counts = _token_counts(
             [r.prompt_token_ids if p.repetition_penalty != 1.0 else [] for r, p in zip(rows, params)],
             vocab_size, device)
-        penalty = _device_tensor(repetition, device)[:, None]
+        penalty = device_tensor(repetition, device)[:, None]
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits.copy_(torch.where((prompt_counts + output_counts) > 0, penalized, logits))
-    frequency_t = _device_tensor(frequency, device)[:, None]
-    presence_t = _device_tensor(presence, device)[:, None]
+    frequency_t = device_tensor(frequency, device)[:, None]
+    presence_t = device_tensor(presence, device)[:, None]
     logits -= frequency_t * output_counts + presence_t * (output_counts > 0).float()
 
 
@@ -131,16 +131,16 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     params = [r.params for r in rows]
     vocab_size = logits.shape[1]
     device = logits.device
-    temperature = _device_tensor([p.temperature if not p.greedy else 1.0 for p in params], device)
+    temperature = device_tensor([p.temperature if not p.greedy else 1.0 for p in params], device)
     logits = logits / temperature[:, None]
     top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
     top_p = [p.top_p for p in params]
     if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _apply_top_k_top_p(logits, _device_tensor(top_k, device), _device_tensor(top_p, device))
+        logits = _apply_top_k_top_p(logits, device_tensor(top_k, device), device_tensor(top_p, device))
     min_p = [p.min_p for p in params]
     if any(min_p):
         probs = logits.softmax(dim=-1)
-        threshold = _device_tensor(min_p, device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        threshold = device_tensor(min_p, device)[:, None] * probs.amax(dim=-1, keepdim=True)
         logits.masked_fill_(probs < threshold, float("-inf"))
     probs = logits.softmax(dim=-1)
     return probs.div_(_exponential_noise(rows, vocab_size, device)).argmax(dim=-1)
