@@ -18,7 +18,7 @@ from surge.core.kv_cache.hashing import hash_block_tokens
 from surge.core.kv_cache.manager import KVCacheManager
 from surge.core.kv_cache.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheSpec,
                                       build_kv_cache_groups)
-from surge.engine.request import Request
+from surge.core.request import Request
 from surge.sampling_params import SamplingParams
 
 BS = 4
@@ -346,6 +346,30 @@ def test_free_returns_every_block(enable_caching: bool) -> None:
         kv.free(req)
     assert_all_free(kv)
     assert all(ids == [] for req in reqs for ids in kv.get_block_ids(req.request_id))
+
+
+def test_trim_frees_every_group_tail_and_the_block_changes_say_where_tables_changed() -> None:
+    num_blocks = 20
+    kv = KVCacheManager(KVCacheConfig(hybrid_groups(), num_blocks), enable_caching=False)
+    req = make_request("r", list(range(6)))
+    admit(kv, req)  # 6 tokens: 2 blocks per group
+    first = [list(ids) for ids in kv.get_block_ids("r")]
+    assert kv.take_block_changes("r") == ([0, 0], first)  # a new table: all of it
+    assert kv.take_block_changes("r") == ([2, 2], [[], []])  # nothing changed since
+    assert kv.allocate_slots(req, 5)  # the last token and 4 drafts: positions 6..10, a third block per group
+    grown = kv.get_block_ids("r")
+    assert [ids[:2] for ids in grown] == first and all(len(ids) == 3 for ids in grown)
+    assert kv.take_block_changes("r") == ([2, 2], [[grown[SLIDING][2]], [grown[FULL][2]]])
+
+    kv.trim(req, 7)  # one draft accepted: positions 0..6 stay, in cdiv(7, BS) = 2 blocks
+    assert kv.get_block_ids("r") == tuple(first)
+    assert [m.pool.num_free_blocks for m in kv.managers] == [num_blocks - 1 - 2] * 2
+    assert all(m.pool.blocks[ids[2]].ref_cnt == 0 for m, ids in zip(kv.managers, grown))
+    assert kv.take_block_changes("r") == ([2, 2], [[], []])  # the runner cuts its tables after two blocks
+    kv.trim(req, 8)  # nothing past the end: a no-op
+    assert kv.get_block_ids("r") == tuple(first)
+    kv.free(req)
+    assert_all_free(kv)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
-"""Scheduler tests: unit cases for budgets, ordering, chunking, preemption, aborts and stop conditions, and randomized
-workloads checked step by step against a plain sequential model and a fake paged KV store."""
+"""Scheduler tests: unit cases for budgets, ordering, chunking, preemption, aborts, stop conditions and draft-token
+rollback, and randomized workloads (async scheduling and draft tokens included) checked step by step against a plain
+sequential model, a fake runner fed only by the step messages, and a fake paged KV store."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from surge.config import SchedulerConfig
 from surge.core.kv_cache.manager import KVCacheManager
 from surge.core.kv_cache.spec import KVCacheConfig, SlidingWindowSpec, build_kv_cache_groups
 from surge.core.scheduler import Scheduler, SchedulerOutput
-from surge.engine.request import Request, RequestStatus
+from surge.core.request import Request, RequestStatus
 from surge.sampling_params import SamplingParams
 
 BS = 4
@@ -56,10 +58,10 @@ def make_scheduler(num_blocks: int = 64, enable_caching: bool = False, hybrid_wi
 
 def step(sched: Scheduler) -> list[tuple[str, int, int, bool]]:
     """One engine step with the fake model; returns (request_id, num_computed, num_new, samples) as scheduled
-    (`samples` reads the live request, so it is taken before the update appends a token)."""
+    (the sampled token reads the live request, so it is taken before the update appends it)."""
     out = sched.schedule()
-    plan = [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens, s.samples) for s in out.scheduled]
-    sched.update_from_output(out, {s.request.request_id: next_token(s.request.token_ids)
+    plan = [(s.request_id, s.num_computed_tokens, s.num_new_tokens, s.samples) for s in out.scheduled]
+    sched.update_from_output(out, {s.request_id: [next_token(sched.requests[s.request_id].token_ids)]
                                    for s in out.scheduled if s.samples})
     return plan
 
@@ -127,8 +129,9 @@ def test_preemption_frees_the_newest_and_recomputes_it(enable_caching: bool) -> 
     step(sched)
     assert sched.num_preemptions == 0
     out = sched.schedule()  # a needs a third block; none is free
-    assert out.preempted_ids == ["b"] and [(s.request, s.num_new_tokens) for s in out.scheduled] == [(a, 1)]
-    sched.update_from_output(out, {"a": next_token(a.token_ids)})
+    assert out.preempted_ids == ["b"]
+    assert [(sched.requests[s.request_id], s.num_new_tokens) for s in out.scheduled] == [(a, 1)]
+    sched.update_from_output(out, {"a": [next_token(a.token_ids)]})
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert sched.num_preemptions == 1
     assert sched.waiting[0] is b and b not in sched.running
@@ -164,7 +167,7 @@ def test_abort_waiting_running_and_preempted_requests_frees_their_blocks() -> No
 
     out = sched.schedule()
     sched.abort_requests(["a"])  # aborted after scheduling: its result is dropped
-    sched.update_from_output(out, {"a": 1})
+    sched.update_from_output(out, {"a": [1]})
     assert a.status == RequestStatus.FINISHED_ABORTED and a.num_output_tokens == 3  # no token appended
     assert not sched.has_unfinished_requests() and not sched.requests
     assert_all_free(sched)
@@ -175,8 +178,8 @@ def run_tokens(sched: Scheduler, req: Request, tokens: list[int]) -> None:
     """Feed chosen sampled tokens one step at a time (the request is alone, so each step samples it)."""
     for token in tokens:
         out = sched.schedule()
-        assert [s.request for s in out.scheduled if s.samples] == [req]
-        sched.update_from_output(out, {req.request_id: token})
+        assert [sched.requests[s.request_id] for s in out.scheduled if s.samples] == [req]
+        sched.update_from_output(out, {req.request_id: [token]})
 
 
 def test_finishes_at_max_tokens() -> None:
@@ -228,8 +231,78 @@ def test_finishes_at_max_model_len(max_tokens: int | None) -> None:
     assert_all_free(sched)
 
 
+def test_rejected_drafts_roll_back_and_free_the_blocks_past_the_new_end() -> None:
+    sched = make_scheduler(num_blocks=8)
+    pool = sched.kv.managers[0].pool
+    prompt = [1, 2, 3, 4, 5]
+    req = make_request("r", prompt, max_tokens=8)
+    sched.add_request(req)
+    step(sched)  # the prompt: 5 tokens computed, one sampled
+    assert (req.num_computed_tokens, req.num_tokens) == (5, 6)
+    right = next_token(req.token_ids)
+    wrong = (next_token(req.token_ids + [right]) + 1) % V
+    req.spec_token_ids = [right, wrong, 7]
+    assert sched.needs_output_history()  # the proposer needs this step's tokens before the next step
+
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert (s.num_computed_tokens, s.num_new_tokens, s.samples, s.spec_token_ids) == (5, 4, True, [right, wrong, 7])
+    assert s.new_token_ids == req.output_token_ids  # the token sampled last step
+    table = sched.kv.get_block_ids("r")[0]
+    assert len(table) == cdiv(5 + 4, BS) == 3
+    assert sched.schedule().is_empty  # while its drafts are in flight the request waits for their verdict
+    free_before = pool.num_free_blocks
+
+    bonus = next_token(req.token_ids + [right])
+    assert sched.update_from_output(out, {"r": [right, bonus]}) == [(req, [right, bonus])]
+    # One draft accepted, two rejected: positions 7 and 8 held rejected drafts and are computed again.
+    assert (req.num_computed_tokens, req.num_tokens) == (9 - 2, 8)
+    assert sched.kv.get_block_ids("r") == (table[:cdiv(7, BS)],)
+    assert pool.num_free_blocks == free_before + 1 and pool.blocks[table[2]].ref_cnt == 0
+
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert (s.num_computed_tokens, s.num_new_tokens, s.spec_token_ids) == (7, 1, [])
+    assert s.new_token_ids == [right, bonus]
+    assert (s.block_starts, s.new_block_ids) == ([2], [[]])  # the runner cuts its table after two blocks
+    sched.update_from_output(out, {"r": [next_token(req.token_ids)]})
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert req.output_token_ids == reference_output(prompt, 8, 64)
+    assert_all_free(sched)
+
+
+def test_a_request_preempted_with_drafts_in_flight_keeps_no_rollback() -> None:
+    # 4 real blocks: a (7 prompt tokens) and b (3, then 4 positions with its drafts) take 2 each; a's next token
+    # needs a third block, so b is preempted while its drafts are in flight.
+    sched = make_scheduler(num_blocks=5)
+    a = make_request("a", list(range(7)), max_tokens=6)
+    b = make_request("b", [11, 12, 13], max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    right = next_token(b.token_ids)
+    b.spec_token_ids = [right, (next_token(b.token_ids + [right]) + 1) % V, 3]
+    first = sched.schedule()
+    assert [(s.request_id, s.num_new_tokens, len(s.spec_token_ids)) for s in first.scheduled] == [("a", 1, 0),
+                                                                                                 ("b", 4, 3)]
+    second = sched.schedule()  # launched before the first step's result, as under async scheduling
+    assert second.preempted_ids == ["b"] and [s.request_id for s in second.scheduled] == ["a"]
+    b_tokens = [right, next_token(b.token_ids + [right])]  # one draft accepted, two rejected
+    sched.update_from_output(first, {"a": [next_token(a.token_ids)], "b": b_tokens})
+    # Preempted: it restarts from 0 whatever was accepted; only its tokens are appended.
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_pending_tokens == 0
+    assert b.output_token_ids[1:] == b_tokens and sched.kv.get_block_ids("b") == ([],)
+    sched.update_from_output(second, {"a": [next_token(a.token_ids)]})
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert a.output_token_ids == reference_output(list(range(7)), 6, 64)
+    assert b.output_token_ids == reference_output([11, 12, 13], 8, 64)
+    assert_all_free(sched)
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# Randomized workloads against the plain sequential model and a fake paged KV store
+# Randomized workloads against the plain sequential model, a fake runner and a fake paged KV store
 
 
 class FakeKVStore:
@@ -256,37 +329,104 @@ class FakeKVStore:
                 f"group {group}: block {block_id} does not hold token {q}"
 
 
-def check_step(sched: Scheduler, out: SchedulerOutput, kv_store: FakeKVStore, computed: dict[str, int]) -> None:
+class FakeRunner:
+    """The model runner's side, fed only by the step messages: its copy of each request's tokens and per-group block
+    tables, and the device's history of each request (those tokens plus the ones it sampled itself, ahead of the
+    host while a step is in flight). A step runs at launch, as on a device: it writes the KV of the scheduled
+    positions (the history, then the drafts), checks what they read, and verifies the drafts against the model."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.kv_store = FakeKVStore(sched)
+        self.num_groups = len(self.kv_store.specs)
+        self.tokens: dict[str, list[int]] = {}
+        self.tables: dict[str, list[list[int]]] = {}
+        self.device: dict[str, list[int]] = {}
+        self.stats: Counter[str] = Counter()
+
+    def apply_message(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_ids:
+            assert rid in self.tokens, f"{rid}: told to drop a request it does not hold"
+            del self.tokens[rid], self.tables[rid], self.device[rid]
+        for new in out.new_requests:
+            rid = new.request_id
+            assert rid not in self.tokens, f"{rid}: sent as new twice"
+            self.tokens[rid], self.device[rid] = list(new.prompt_token_ids), list(new.prompt_token_ids)
+            self.tables[rid] = [[] for _ in range(self.num_groups)]
+        for s in out.scheduled:
+            tokens, tables = self.tokens[s.request_id], self.tables[s.request_id]
+            tokens.extend(s.new_token_ids)
+            assert self.device[s.request_id][:len(tokens)] == tokens, "the host sent tokens the device did not sample"
+            assert len(s.block_starts) == len(s.new_block_ids) == self.num_groups
+            for g, (start, block_ids) in enumerate(zip(s.block_starts, s.new_block_ids)):
+                assert 0 <= start <= len(tables[g]), f"{s.request_id}: group {g} diff starts past the table's end"
+                tables[g] = tables[g][:start] + block_ids
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """Returns, per sampling request, the accepted drafts plus one bonus (or correcting) token."""
+        sequences = {s.request_id: self.device[s.request_id] + s.spec_token_ids for s in out.scheduled}
+        for s in out.scheduled:
+            positions = range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)
+            for g in range(self.num_groups):
+                self.kv_store.write(g, self.tables[s.request_id][g], positions, sequences[s.request_id])
+        sampled = {}
+        for s in out.scheduled:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            for g in range(self.num_groups):
+                self.kv_store.check_reads(g, self.tables[s.request_id][g], start, end, sequences[s.request_id])
+            if not s.samples:
+                continue
+            history, accepted = self.device[s.request_id], []
+            for draft in s.spec_token_ids:
+                if draft != next_token(history + accepted):
+                    break
+                accepted.append(draft)
+            sampled[s.request_id] = accepted + [next_token(history + accepted)]
+            history.extend(sampled[s.request_id])
+            self.stats["drafts"] += len(s.spec_token_ids)
+            self.stats["accepted"] += len(accepted)
+            self.stats["rollbacks"] += len(accepted) < len(s.spec_token_ids)
+        return sampled
+
+
+def check_step(sched: Scheduler, out: SchedulerOutput, runner: FakeRunner, computed: dict[str, int]) -> None:
+    """Right after schedule(): the message keeps the limits, and the runner's copy rebuilt from it equals the
+    scheduler's tokens and block tables."""
     config = sched.config
     assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
     assert sched.num_running <= config.max_num_seqs
-    assert len({s.request.request_id for s in out.scheduled}) == len(out.scheduled)
+    assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
     for rid in out.preempted_ids:
         req = sched.requests[rid]
         assert req.status == RequestStatus.PREEMPTED and req.num_computed_tokens == 0 and req in sched.waiting
         assert all(ids == [] for ids in sched.kv.get_block_ids(rid))
         computed[rid] = 0
+    if not out.is_empty:  # an empty output (it may still preempt) is never executed: the runner never sees it
+        runner.apply_message(out)
+        assert set(runner.tokens) <= set(sched.requests), "the runner was not told that a request finished"
     for s in out.scheduled:
-        req, start = s.request, s.num_computed_tokens
-        end = start + s.num_new_tokens
-        assert s.num_new_tokens >= 1 and end <= req.num_tokens
-        assert s.samples == (end == req.num_tokens)
-        if start != computed[req.request_id]:  # only a fresh admission may skip tokens, through a prefix hit
-            assert computed[req.request_id] == 0 and sched.kv.enable_caching and start % BS == 0, \
-                (req.request_id, start, computed[req.request_id])
-        for g, spec in enumerate(kv_store.specs):
-            table = s.block_ids[g]
+        rid, start = s.request_id, s.num_computed_tokens
+        req, end = sched.requests[rid], start + s.num_new_tokens
+        assert runner.tokens[rid] == req.token_ids
+        assert runner.tables[rid] == list(sched.kv.get_block_ids(rid))
+        # The device is ahead of the host by the token of each of the request's steps still in flight.
+        device = runner.device[rid]
+        assert len(device) - req.num_tokens == req.num_pending_tokens - s.samples
+        # The request's tokens as the device sees them: its history, then the drafts to verify.
+        num_tokens = len(device) + len(s.spec_token_ids)
+        assert s.num_new_tokens >= 1 and end <= num_tokens
+        assert s.samples == (end == num_tokens)
+        assert not s.spec_token_ids or s.samples
+        assert end < config.max_model_len  # the token at max_model_len - 1 is sampled, never computed
+        if start != computed[rid]:  # only a fresh admission may skip tokens, through a prefix hit
+            assert computed[rid] == 0 and sched.kv.enable_caching and start % BS == 0, (rid, start, computed[rid])
+        for g, spec in enumerate(runner.kv_store.specs):
+            table = runner.tables[rid][g]
             assert len(table) >= cdiv(end, BS)
             if isinstance(spec, SlidingWindowSpec):  # blocks wholly before the window were handed back
                 first_needed = max(0, start - spec.sliding_window + 1) // BS
                 assert all(b == 0 for b in table[:first_needed])
                 assert all(b != 0 for b in table[first_needed:cdiv(end, BS)])
-            kv_store.write(g, table, range(start, end), req.token_ids)
-    for s in out.scheduled:
-        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-        for g in range(len(kv_store.specs)):
-            kv_store.check_reads(g, s.block_ids[g], start, end, s.request.token_ids)
-        computed[s.request.request_id] = end
+        computed[rid] = end
 
     # Two running requests share a block only when it is a cached block holding the same prefix.
     for g, m in enumerate(sched.kv.managers):
@@ -305,7 +445,43 @@ def check_step(sched: Scheduler, out: SchedulerOutput, kv_store: FakeKVStore, co
         assert held + m.pool.num_free_blocks == m.pool.num_blocks - 1
 
 
-def run_workload(seed: int, enable_caching: bool, hybrid: bool, enable_chunked_prefill: bool) -> dict[str, int]:
+def apply_result(sched: Scheduler, out: SchedulerOutput, sampled: dict[str, list[int]], computed: dict[str, int],
+                 stats: Counter[str]) -> None:
+    """update_from_output, checked: the tokens appended, and the rollback of rejected drafts with their blocks."""
+    rejected = {s.request_id: len(s.spec_token_ids) - (len(sampled[s.request_id]) - 1)
+                for s in out.scheduled if s.request_id in sampled and s.spec_token_ids}
+    blocks_before = {rid: sum(map(len, sched.kv.get_block_ids(rid))) for rid in rejected}
+    for req, appended in sched.update_from_output(out, sampled):
+        tokens = sampled[req.request_id]
+        assert appended == tokens[:len(appended)] and (appended == tokens or req.is_finished), (appended, tokens)
+    for s in out.scheduled:
+        rid = s.request_id
+        if not rejected.get(rid):
+            continue
+        # The next step resumes after the accepted drafts (from 0 when preempted meanwhile).
+        computed[rid] = min(computed[rid], s.num_computed_tokens + s.num_new_tokens - rejected[rid])
+        req = sched.requests.get(rid)
+        if req is not None and req.status == RequestStatus.RUNNING:
+            assert req.num_computed_tokens == computed[rid]
+            assert all(len(ids) == cdiv(computed[rid], BS) for ids in sched.kv.get_block_ids(rid))
+            stats["trimmed_blocks"] += blocks_before[rid] - sum(map(len, sched.kv.get_block_ids(rid)))
+
+
+def propose_drafts(sched: Scheduler, rng: random.Random, rate: float) -> None:
+    """A fake proposer: for a fraction `rate` of the requests whose last token the host has, 1 to 4 drafts, each
+    following the model with probability 0.7."""
+    for req in sched.running:
+        if req.num_pending_tokens == 0 and rng.random() < rate:
+            drafts: list[int] = []
+            for _ in range(rng.randint(1, 4)):
+                drafts.append(next_token(req.token_ids + drafts) if rng.random() < 0.7 else rng.randrange(V))
+            req.spec_token_ids = drafts
+
+
+def run_workload(seed: int, enable_caching: bool, hybrid: bool, enable_chunked_prefill: bool,
+                 async_scheduling: bool | str = False, speculate: bool = False) -> Counter[str]:
+    """async_scheduling: False, True (EngineCore's rule), or "eager": also overlap half the steps where a request
+    waits with drafts, so that a step carrying drafts is in flight while the next is scheduled."""
     rng = random.Random(seed)
     max_model_len = 48
     window = rng.choice([2, 5, 8, 13]) if hybrid else None
@@ -323,8 +499,12 @@ def run_workload(seed: int, enable_caching: bool, hybrid: bool, enable_chunked_p
         rid = f"req{i}"
         pending.append((rng.randint(0, 30), make_request(rid, prompt, max_tokens)))
         expected[rid] = reference_output(prompt, max_tokens, max_model_len)
-    kv_store, computed = FakeKVStore(sched), {}
+    draft_rate = rng.choice([0.1, 0.3, 0.7]) if speculate else 0.0
+    runner, computed, stats = FakeRunner(sched), {}, Counter()
     all_requests, aborted = {}, set()
+    # As EngineCore.step: with async scheduling (and no request needing the last step's tokens), step N+1 is
+    # scheduled and launched before step N's result is applied; the device computes each step at launch.
+    in_flight: tuple[SchedulerOutput, dict[str, list[int]]] | None = None
     for step_index in range(3000):
         for arrival, req in [p for p in pending if p[0] <= step_index]:
             pending.remove((arrival, req))
@@ -335,13 +515,32 @@ def run_workload(seed: int, enable_caching: bool, hybrid: bool, enable_chunked_p
             rid = rng.choice(sorted(sched.requests))
             sched.abort_requests([rid])
             aborted.add(rid)
-        if not pending and not sched.has_unfinished_requests():
+        if not pending and not sched.has_unfinished_requests() and in_flight is None:
             break
+        if speculate:
+            propose_drafts(sched, rng, draft_rate)
+        overlap = bool(async_scheduling) and (not sched.needs_output_history()
+                                              or (async_scheduling == "eager" and rng.random() < 0.5))
+        if in_flight is not None and not overlap:
+            apply_result(sched, *in_flight, computed, stats)
+            in_flight = None
         out = sched.schedule()
-        assert not out.is_empty or not sched.has_unfinished_requests(), "nothing scheduled"
-        check_step(sched, out, kv_store, computed)
-        sampled = {s.request.request_id: next_token(s.request.token_ids) for s in out.scheduled if s.samples}
-        sched.update_from_output(out, sampled)
+        check_step(sched, out, runner, computed)
+        if out.is_empty:
+            assert in_flight is not None or not sched.has_unfinished_requests(), "nothing scheduled"
+            if in_flight is not None:
+                apply_result(sched, *in_flight, computed, stats)
+                in_flight = None
+            continue
+        sampled = runner.execute(out)
+        if not overlap:
+            apply_result(sched, out, sampled, computed, stats)
+            continue
+        if in_flight is not None:
+            stats["overlapped"] += 1
+            stats["overlapped_drafts"] += any(s.spec_token_ids for s in in_flight[0].scheduled)
+            apply_result(sched, *in_flight, computed, stats)
+        in_flight = (out, sampled)
     else:
         pytest.fail(f"seed {seed}: workload did not finish in 3000 steps")
 
@@ -354,7 +553,7 @@ def run_workload(seed: int, enable_caching: bool, hybrid: bool, enable_chunked_p
             assert req.status == RequestStatus.FINISHED_LENGTH
             assert req.output_token_ids == expected[rid], f"seed {seed}: {rid}"
     assert_all_free(sched)
-    return {"preemptions": sched.num_preemptions, "prefix_hits": sched.kv.prefix_hits}
+    return stats + runner.stats + Counter(preemptions=sched.num_preemptions, prefix_hits=sched.kv.prefix_hits)
 
 
 @pytest.mark.parametrize("enable_caching", [True, False], ids=["caching", "no-caching"])
@@ -362,10 +561,27 @@ def run_workload(seed: int, enable_caching: bool, hybrid: bool, enable_chunked_p
 @pytest.mark.parametrize("enable_chunked_prefill", [True, False], ids=["chunked", "whole"])
 def test_random_workloads_match_the_sequential_model(enable_caching: bool, hybrid: bool,
                                                      enable_chunked_prefill: bool) -> None:
-    totals = {"preemptions": 0, "prefix_hits": 0}
+    totals: Counter[str] = Counter()
     for seed in range(12):
-        for key, value in run_workload(seed, enable_caching, hybrid, enable_chunked_prefill).items():
-            totals[key] += value
+        totals += run_workload(seed, enable_caching, hybrid, enable_chunked_prefill)
     # The workloads must exercise what they claim to test.
     assert totals["preemptions"] > 0
     assert (totals["prefix_hits"] > 0) == enable_caching
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True, "eager"], ids=["sync", "async", "eager"])
+@pytest.mark.parametrize("enable_caching", [True, False], ids=["caching", "no-caching"])
+@pytest.mark.parametrize("hybrid", [False, True], ids=["full", "hybrid"])
+def test_random_draft_tokens_roll_back_to_the_sequential_model(enable_caching: bool, hybrid: bool,
+                                                               async_scheduling: bool | str) -> None:
+    totals: Counter[str] = Counter()
+    for seed in range(32):
+        totals += run_workload(seed, enable_caching, hybrid, enable_chunked_prefill=seed % 4 != 3,
+                               async_scheduling=async_scheduling, speculate=True)
+    # Drafts accepted, rejected (rolling back computed tokens and freeing blocks), under preemption and overlap.
+    assert totals["accepted"] > 0 and totals["rollbacks"] > 0 and totals["trimmed_blocks"] > 0
+    assert totals["preemptions"] > 0
+    assert (totals["prefix_hits"] > 0) == enable_caching
+    assert (totals["overlapped"] > 0) == bool(async_scheduling)
+    # EngineCore's rule runs a step carrying drafts synchronously; "eager" puts one in flight under the next.
+    assert (totals["overlapped_drafts"] > 0) == (async_scheduling == "eager")
