@@ -197,3 +197,24 @@ def test_mixed_batch_equals_rows_alone():
                 assert torch.equal(batch.logprob_token_ids[i, :k], alone.logprob_token_ids[0])
                 torch.testing.assert_close(batch.logprobs[i, :k], alone.logprobs[0])
                 assert batch.sampled_token_ranks[i] == alone.sampled_token_ranks[0]
+
+
+def test_greedy_batch_on_bf16_logits_is_argmax_without_a_float_copy():
+    torch.manual_seed(4)
+    logits = (torch.randn(16, V) * 3).to(torch.bfloat16)  # bf16 rounding: ties, resolved to the lowest id
+    logits[0, 5] = float("nan")  # NaN is the maximum, as torch.argmax has it
+    out = Sampler()(logits, [row(temperature=0.0) for _ in range(16)]).sampled_token_ids
+    assert out.tolist() == logits.float().argmax(dim=-1).tolist() and out[0] == 5
+
+
+def test_exponential_noise_keeps_seeded_rows_on_their_generators():
+    from surge.model.layers.sampler import _exponential_noise
+
+    rows = [row(seed=7), row(), row(temperature=0.0), row(seed=8)]
+    torch.manual_seed(0)
+    noise = _exponential_noise(rows, V, torch.device("cpu"), clamp=False)
+    assert noise[0].tolist() == torch.empty(V).exponential_(generator=torch.Generator().manual_seed(7)).tolist()
+    assert noise[3].tolist() == torch.empty(V).exponential_(generator=torch.Generator().manual_seed(8)).tolist()
+    assert noise[2].tolist() == [1.0] * V and (noise[1] > 0).all()
+    tiny = torch.finfo(torch.float32).tiny
+    assert (_exponential_noise([row()], V, torch.device("cpu")) >= tiny).all()

@@ -1,10 +1,10 @@
 """Sampler: turns one step's logits [n, V] into one token per request, honouring each request's SamplingParams.
-
-min_tokens → penalties → argmax | temperature, top-k, top-p, min-p, exponential race; logprobs use raw logits.
+min_tokens → penalties → argmax | temperature, top-k, top-p, min-p, exponential race (Triton on CUDA without min-p).
 """
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -37,31 +37,93 @@ class SamplerOutput:
 
 
 class Sampler:
+    """Logprobs always come from the raw logits. Sampling takes one of two paths per batch, with the same
+    semantics: the Triton kernel (surge/kernels/sampling.py) on CUDA when some sampling row asks for top-k or top-p
+    and none for min-p (see _kernel_serves); else torch (sort, softmax, race). Greedy alone is one argmax."""
+
+    def __init__(self, use_kernel: bool | None = None) -> None:
+        # None: the kernel on CUDA only. True: on the CPU too (tests, under TRITON_INTERPRET=1). False: never.
+        self.use_kernel = use_kernel
+        self._kernel = None  # TopKTopPSampler, imported on first use: the import compiles nothing but needs Triton
+        self._max_batch = 0  # the capacity launches are chosen for (a pure function of it); set by warm_up
+
+    def warm_up(self, device: torch.device, max_batch: int, vocab_size: int, dtype: torch.dtype,
+                max_workers: int = 4) -> float:
+        """Compile every kernel variant a step can launch, before serving: logits of the model's dtype, and float32
+        ones (penalties and min_tokens work on a float32 copy). Returns the seconds it took (0 off the kernel)."""
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} must be >= 1")
+        if not self._kernel_enabled(device):
+            return 0.0
+        start = time.perf_counter()
+        kernel = self._kernel_on(device)
+        self._max_batch = max_batch
+        kernel.compile_many([kernel.dispatch(max_batch=max_batch, vocab_size=vocab_size, max_k=vocab_size, dtype=d)
+                             for d in dict.fromkeys([dtype, torch.float32])], max_workers=max_workers)
+        return time.perf_counter() - start
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         max_n = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
-        raw = logits.float()  # logprobs come from these; the caller's tensor is never written
         vocab_size = logits.shape[1]
         masked = [(i, t) for i, r in enumerate(rows) if r.num_generated < r.params.min_tokens
                   for t in r.params.all_stop_token_ids if t < vocab_size]
+        work = logits  # what is sampled from; the caller's tensor is never written
         if masked or _has_penalties(rows):
-            # A private copy unless .float() already made one that nothing else reads.
-            logits = raw.clone() if raw is logits or max_n is not None else raw
+            work = logits.float()
+            work = work.clone() if work is logits else work
             if masked:
                 row_idx, token_idx = device_tensor(masked, logits.device).T
-                logits[row_idx, token_idx] = float("-inf")
-            _apply_penalties(logits, rows)
-        else:
-            logits = raw
-        sampled = logits.argmax(dim=-1)  # greedy; ties go to the lowest id
+                work[row_idx, token_idx] = float("-inf")
+            _apply_penalties(work, rows)
         greedy = [r.params.greedy for r in rows]
-        if not all(greedy):
+        if all(greedy):
+            sampled = work.argmax(dim=-1)  # ties go to the lowest id
+        elif self._kernel_serves(work, rows):
+            sampled = self._sample_with_kernel(work, rows)
+        else:
+            work = work.float()
             is_greedy = device_tensor(greedy, logits.device, torch.bool)
-            sampled = torch.where(is_greedy, sampled, _sample(logits, rows))
+            sampled = torch.where(is_greedy, work.argmax(dim=-1), _sample(work, rows))
         if max_n is None:
             return SamplerOutput(sampled)
-        ids, logprobs, ranks = compute_token_logprobs(raw, sampled, max_n)
+        ids, logprobs, ranks = compute_token_logprobs(logits, sampled, max_n)
         return SamplerOutput(sampled, ids, logprobs, ranks)
+
+    def _kernel_enabled(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.use_kernel is None else self.use_kernel
+
+    def _kernel_serves(self, logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
+        """Per batch: some sampling row asks for top-k or top-p (what the kernel is for: no sort), none for min-p
+        (which it lacks). Temperature alone stays a softmax and an argmax in torch."""
+        if not self._kernel_enabled(logits.device):
+            return False
+        sampling = [r.params for r in rows if not r.params.greedy]
+        return (all(p.min_p == 0.0 for p in sampling)
+                and any(0 < p.top_k < logits.shape[1] or p.top_p < 1.0 for p in sampling))
+
+    def _kernel_on(self, device: torch.device):
+        if self._kernel is None or self._kernel.device != device:
+            from surge.kernels.sampling import TopKTopPSampler  # Triton reads TRITON_INTERPRET when this is imported
+
+            self._kernel = TopKTopPSampler(device)
+        return self._kernel
+
+    def _sample_with_kernel(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Every row in one launch: greedy rows as temperature 0, top-k 0 (off) when it keeps the whole row."""
+        n, vocab_size = logits.shape
+        assert vocab_size < 2 ** 24  # top-k travels as float32 below
+        params = [r.params for r in rows]
+        # One host-to-device copy for the three per-row values.
+        per_row = device_tensor([[p.temperature for p in params], [p.top_p for p in params],
+                                 [float(p.top_k) if p.top_k < vocab_size else 0.0 for p in params]],
+                                logits.device, torch.float32)
+        noise = _exponential_noise(rows, vocab_size, logits.device, clamp=False)  # the kernel clamps q itself
+        # Launches are chosen for the capacity warm_up was given; without it (tests), for the next power of two.
+        max_batch = self._max_batch if n <= self._max_batch else 1 << (n - 1).bit_length()
+        return self._kernel_on(logits.device)(
+            logits if logits.stride(-1) == 1 else logits.contiguous(), per_row[0], per_row[2].to(torch.int32),
+            per_row[1], noise, max_batch=max_batch, max_k=vocab_size)
 
 
 def compute_token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
@@ -159,16 +221,19 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
-def _exponential_noise(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor:
+def _exponential_noise(rows: list[SamplingRow], vocab_size: int, device: torch.device,
+                       clamp: bool = True) -> torch.Tensor:
     """q ~ Exp(1) per row: seeded rows draw only from their own generator, so the batch cannot change their tokens."""
-    noise = torch.ones(len(rows), vocab_size, device=device)
     shared = [i for i, r in enumerate(rows) if r.generator is None and not r.params.greedy]
     if len(shared) == len(rows):
-        noise.exponential_()
-    elif shared:
-        noise[shared] = torch.empty(len(shared), vocab_size, device=device).exponential_()
+        noise = torch.empty(len(rows), vocab_size, device=device).exponential_()
+    else:
+        noise = torch.ones(len(rows), vocab_size, device=device)
+        if shared:
+            noise.index_copy_(0, device_tensor(shared, device, torch.long),
+                              torch.empty(len(shared), vocab_size, device=device).exponential_())
     for i, r in enumerate(rows):
         if r.generator is not None and not r.params.greedy:
             noise[i].exponential_(generator=r.generator)
     # A zero draw would turn probs / q into inf or nan and pick a masked token.
-    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny) if clamp else noise
