@@ -1,18 +1,15 @@
 """Frozen engine configuration: model, cache, scheduler, parallel; validated with errors that name the field.
 
-`EngineConfig.create(...)` is the one place user-facing keyword arguments become configs.
+Building them does no I/O: surge/engine/args.py (EngineArgs) reads the model's files and turns user-facing
+arguments into these.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy", "weight_cache")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
 
@@ -42,8 +39,9 @@ class ModelConfig:
     layer_types: tuple[str, ...]
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
-    # "safetensors": the checkpoint; "dummy": random weights (presets, benchmarks); "weight_cache": mapped from this
-    # rank's Fast Start daemon (surge/weight_cache), falling back to the checkpoint as WeightCacheConfig says.
+    # A key of the loader table (surge/model/loader/base.py). "safetensors": the checkpoint; "dummy": random weights
+    # (presets, benchmarks); "weight_cache": mapped from this rank's Fast Start daemon (surge/weight_cache),
+    # falling back to the checkpoint as WeightCacheConfig says.
     load_format: str = "safetensors"
 
     @property
@@ -64,40 +62,16 @@ class ModelConfig:
         return self.hf_config["vocab_size"]
 
     @staticmethod
-    def from_path(model: str | Path, dtype: str | torch.dtype, device: torch.device,
-                  max_model_len: int | None = None) -> ModelConfig:
-        path = Path(model)
-        if not path.is_dir():
-            raise ValueError(f"model={str(model)!r}: not a directory; expected an HF-format model directory "
-                             "(config.json, *.safetensors, tokenizer files). Models are never fetched from a hub.")
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ValueError(f"model={str(model)!r}: config.json is missing")
-        try:
-            cfg = json.loads(config_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"model={str(model)!r}: config.json is not valid JSON ({e})") from None
-        if not any(path.glob("*.safetensors")):
-            raise ValueError(f"model={str(model)!r}: no *.safetensors weight files found")
-        gen = path / "generation_config.json"
-        gen_cfg = json.loads(gen.read_text()) if gen.is_file() else {}
-        return ModelConfig.from_hf_config(str(path), cfg, gen_cfg, dtype, device, max_model_len)
-
-    @staticmethod
-    def from_preset(name: str, dtype: str | torch.dtype, device: torch.device,
-                    max_model_len: int | None = None) -> ModelConfig:
-        from surge.model.presets import get_preset
-        return ModelConfig.from_hf_config(f"preset:{name}", get_preset(name), {}, dtype, device, max_model_len,
-                                          load_format="dummy")
-
-    @staticmethod
     def from_hf_config(model: str, cfg: dict, gen_cfg: dict, dtype: str | torch.dtype, device: torch.device,
-                       max_model_len: int | None = None, load_format: str = "safetensors") -> ModelConfig:
+                       max_model_len: int | None = None, load_format: str = "safetensors", *,
+                       supported_architectures: Collection[str]) -> ModelConfig:
+        """From config.json and generation_config.json as dicts; supported_architectures: the model registry's
+        names (surge/model/models/registry.py), passed in because configs sit below the models."""
         archs = cfg.get("architectures") or []
-        supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+        supported = [a for a in archs if a in supported_architectures]
         if not supported:
             raise ValueError(f"model={model!r}: architecture {archs or '(none given)'} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"supported: {', '.join(supported_architectures)}")
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
             if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
                 raise ValueError(f"model={model!r}: config.json field {key!r} must be a positive integer, "
@@ -262,65 +236,6 @@ class EngineConfig:
     warmup_workers: int = 1  # kernel warm-up compile threads; 1 is serial (the default), kernels opt in to more
     weight_cache_config: WeightCacheConfig = field(default_factory=WeightCacheConfig)
 
-    @staticmethod
-    def create(model: str | Path | None = None, *, dtype: str = "auto", device: str | None = None,
-               max_model_len: int | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
-               kv_cache_memory: int | None = None, memory_fraction: float = 0.9,
-               num_gpu_blocks_override: int | None = None, max_num_batched_tokens: int | None = None,
-               max_num_seqs: int = 128, enable_chunked_prefill: bool = True, tensor_parallel_size: int = 1,
-               nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int | None = None,
-               seed: int = 0, preset: str | None = None, load_format: str = "auto",
-               enforce_eager: bool = False, warmup_workers: int = 1, weight_cache_dir: str | None = None,
-               weight_cache_mode: str = "zero_copy", weight_cache_fallback: bool = True,
-               weight_cache_timeout: float = 30.0, async_scheduling: bool | None = None) -> EngineConfig:
-        if not (isinstance(warmup_workers, int) and 1 <= warmup_workers <= 64):
-            raise ValueError(f"warmup_workers={warmup_workers!r} must be an integer in [1, 64] (1: serial)")
-        if load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format={load_format!r} is not supported; choose {', '.join(LOAD_FORMATS)}")
-        weight_cache_config = WeightCacheConfig(socket_dir=None if weight_cache_dir is None else str(weight_cache_dir),
-                                                mode=weight_cache_mode, fallback=weight_cache_fallback,
-                                                timeout=weight_cache_timeout)
-        if preset is not None and model is not None:
-            raise ValueError(f"give model or preset, not both (model={str(model)!r}, preset={preset!r})")
-        if model is None and preset is None:
-            from surge.model.loader.default_model import default_model_path
-            model = default_model_path()
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            dev = torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"device={device!r} is not a valid torch device (try 'cpu' or 'cuda')") from None
-        if preset is not None:
-            if load_format in ("safetensors", "weight_cache"):
-                raise ValueError(f"preset={preset!r} has no checkpoint for load_format={load_format!r}: use "
-                                 "load_format='dummy' (random weights), or write one with `surge bench startup "
-                                 "--preset NAME --checkpoint-dir DIR`")
-            model_config = ModelConfig.from_preset(preset, dtype, dev, max_model_len)
-        else:
-            model_config = ModelConfig.from_path(model, dtype, dev, max_model_len)
-            if load_format in ("dummy", "weight_cache"):
-                model_config = dataclasses.replace(model_config, load_format=load_format)
-        parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, nnodes=nnodes,
-                                         node_rank=node_rank, master_addr=master_addr, master_port=master_port)
-        parallel_config.check_model(model_config)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, model_config.max_model_len)
-        return EngineConfig(
-            model_config=model_config,
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                                     kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction,
-                                     num_gpu_blocks_override=num_gpu_blocks_override),
-            scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                             max_num_seqs=max_num_seqs, max_model_len=model_config.max_model_len,
-                                             enable_chunked_prefill=enable_chunked_prefill,
-                                             # on by default where the device runs apart from the host
-                                             async_scheduling=dev.type == "cuda" if async_scheduling is None
-                                             else bool(async_scheduling)),
-            parallel_config=parallel_config,
-            device=dev,
-            seed=seed,
-            enforce_eager=enforce_eager or dev.type != "cuda",
-            warmup_workers=warmup_workers,
-            weight_cache_config=weight_cache_config,
-        )
+    def __post_init__(self) -> None:
+        if not (isinstance(self.warmup_workers, int) and 1 <= self.warmup_workers <= 64):
+            raise ValueError(f"warmup_workers={self.warmup_workers!r} must be an integer in [1, 64] (1: serial)")

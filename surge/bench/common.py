@@ -3,12 +3,13 @@ a tokenizer-free driver for EngineCore, and the HF transformers peers run on the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
 from tqdm.auto import tqdm
 
-from surge.config import EngineConfig
+from surge.engine.args import EngineArgs
 from surge.engine.core import EngineCore
 from surge.engine.request import Request
 from surge.sampling_params import SamplingParams
@@ -43,16 +44,15 @@ def make_workload(num_prompts: int, input_len: int, output_len: int, range_ratio
              length(output_len, output_len_max)) for _ in range(num_prompts)]
 
 
-def build_engine(args: argparse.Namespace, engine_kwargs: dict) -> EngineCore:
-    kwargs = dict(engine_kwargs)
-    if args.preset:
-        if kwargs.get("model"):
+def build_engine(args: argparse.Namespace) -> EngineCore:
+    """The engine of the engine flags and add_model_args's (--preset, --enforce-eager, --warmup-workers)."""
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.preset:
+        if engine_args.model:
             raise ValueError("give --model or --preset, not both")
-        kwargs.update(model=None, preset=args.preset, load_format="dummy")
-    kwargs["enforce_eager"] = args.enforce_eager
-    kwargs["warmup_workers"] = args.warmup_workers
+        engine_args = dataclasses.replace(engine_args, load_format="dummy")
     start = time.perf_counter()
-    engine = EngineCore(EngineConfig.create(**kwargs))
+    engine = EngineCore(engine_args.create_engine_config())
     engine.startup_seconds = time.perf_counter() - start
     graph_runner = getattr(engine.runner, "graph_runner", None)  # in-process runner only (tp == 1)
     graphs = graph_runner.capture_seconds if graph_runner is not None else 0.0

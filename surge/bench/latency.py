@@ -9,7 +9,6 @@ import time
 import torch
 
 from surge.bench.common import add_model_args, build_engine, hf_model_for, make_workload, run_engine
-from surge.entrypoints.cli.args import engine_kwargs
 
 
 def add_latency_args(p: argparse.ArgumentParser) -> None:
@@ -74,7 +73,7 @@ def _timed(engine, workload, repeats: int) -> float:
 
 
 def run_latency(args: argparse.Namespace) -> None:
-    engine = build_engine(args, engine_kwargs(args))
+    engine = build_engine(args)
     mc, dev = engine.config.model_config, engine.config.device
     model = engine.runner.model
     params = sum(p.numel() for p in model.parameters())

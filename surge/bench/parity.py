@@ -14,7 +14,6 @@ import copy
 import torch
 
 from surge.bench.common import add_model_args, build_engine, hf_model_for, make_workload, run_engine
-from surge.entrypoints.cli.args import engine_kwargs
 
 
 def add_parity_args(p: argparse.ArgumentParser) -> None:
@@ -70,7 +69,7 @@ def _divergence_report(hf, prompt: list[int], ours: list[int], theirs: list[int]
 
 
 def run_parity(args: argparse.Namespace) -> int:
-    engine = build_engine(args, engine_kwargs(args))
+    engine = build_engine(args)
     mc = engine.config.model_config
     workload = make_workload(args.num_prompts, args.input_len, args.output_len, 0.0, mc.vocab_size,
                              args.workload_seed, args.input_len_max)

@@ -8,6 +8,7 @@ directory and stopped afterwards, unless --use-daemon names the socket directory
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from surge.bench.common import add_model_args
-from surge.entrypoints.cli.args import engine_kwargs
+from surge.engine.args import EngineArgs
 
 _RESULT = "SURGE_STARTUP_RESULT "
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -52,9 +53,8 @@ def child_main() -> None:
     """One engine in a fresh process: build it, take one request to its first token, report on stdout."""
     spec = json.loads(sys.stdin.read())
     from surge.bench.common import make_workload, run_engine
-    from surge.config import EngineConfig
     from surge.engine.core import EngineCore
-    engine = EngineCore(EngineConfig.create(**spec["engine"]))
+    engine = EngineCore(EngineArgs(**spec["engine"]).create_engine_config())
     ready_at = time.monotonic()
     mc = engine.config.model_config
     prompt, _ = make_workload(1, spec["input_len"], 1, 0.0, mc.vocab_size, 0)[0]
@@ -70,12 +70,12 @@ def child_main() -> None:
     engine.shutdown()
 
 
-def _run_child(engine: dict, input_len: int, timeout: float, what: str) -> dict:
+def _run_child(engine: EngineArgs, input_len: int, timeout: float, what: str) -> dict:
     print(f"{what}: starting a fresh engine process", flush=True)
     spawned_at = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", "from surge.bench.startup import child_main; child_main()"],
-                          input=json.dumps({"engine": engine, "input_len": input_len}), stdout=subprocess.PIPE,
-                          text=True, env=_env(), timeout=timeout)
+                          input=json.dumps({"engine": dataclasses.asdict(engine), "input_len": input_len}),
+                          stdout=subprocess.PIPE, text=True, env=_env(), timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{what}: the engine process exited with code {proc.returncode} (its log is above)")
@@ -91,14 +91,13 @@ def _run_child(engine: dict, input_len: int, timeout: float, what: str) -> dict:
 class _Daemons:
     """`surge weight-cache serve` in a subprocess, ready when every socket answers `health` with "ready"."""
 
-    def __init__(self, engine: dict, socket_dir: str, timeout: float) -> None:
-        cmd = [sys.executable, "-m", "surge.entrypoints.cli.main", "weight-cache", "serve", str(engine["model"]),
-               "--dtype", str(engine["dtype"]), "-tp", str(engine["tensor_parallel_size"]),
-               "--weight-cache-dir", socket_dir]
-        for flag, key in (("--device", "device"), ("--max-model-len", "max_model_len")):
-            if engine.get(key) is not None:
-                cmd += [flag, str(engine[key])]
-        self.socket_dir, self.tp = Path(socket_dir), engine["tensor_parallel_size"]
+    def __init__(self, engine: EngineArgs, socket_dir: str, timeout: float) -> None:
+        cmd = [sys.executable, "-m", "surge.entrypoints.cli.main", "weight-cache", "serve", str(engine.model),
+               "--dtype", str(engine.dtype), "-tp", str(engine.tensor_parallel_size), "--weight-cache-dir", socket_dir]
+        for flag, value in (("--device", engine.device), ("--max-model-len", engine.max_model_len)):
+            if value is not None:
+                cmd += [flag, str(value)]
+        self.socket_dir, self.tp = Path(socket_dir), engine.tensor_parallel_size
         self.proc = subprocess.Popen(cmd, env=_env(), stdin=subprocess.DEVNULL)
         try:
             self.wait_ready(timeout)
@@ -139,13 +138,12 @@ def _daemon_memory(socket_dir: Path) -> int:
     return total
 
 
-def _parity(engine: dict) -> list[str]:
+def _parity(engine: EngineArgs) -> list[str]:
     """The daemon's rank-0 tensors (mapped, zero copy) against a disk load of the same checkpoint on the CPU."""
-    from surge.config import EngineConfig
-    from surge.model.loader.safetensors_loader import load_from_disk
+    from surge.model.loader.base import load_from_disk
     from surge.weight_cache.ipc_loader import fetch_model
     from surge.weight_cache.parity import diff_fingerprints, fingerprint
-    config = EngineConfig.create(**{**engine, "weight_cache_mode": "zero_copy"})
+    config = dataclasses.replace(engine, weight_cache_mode="zero_copy").create_engine_config()
     cached = fingerprint(fetch_model(config, config.device, 0))
     gc.collect()  # the mapping goes before the daemons do
     disk = fingerprint(load_from_disk(config.model_config, torch.device("cpu")))
@@ -153,13 +151,13 @@ def _parity(engine: dict) -> list[str]:
 
 
 def run_startup(args: argparse.Namespace) -> int:
-    from surge.config import EngineConfig
+    from surge.model.loader.base import build_model
     from surge.model.loader.preset_checkpoint import write_preset_checkpoint
-    from surge.model.loader.safetensors_loader import build_model
 
-    engine = engine_kwargs(args)
+    # --preset names the checkpoint to write, not the engine's model: the engines load that checkpoint.
+    engine = dataclasses.replace(EngineArgs.from_cli_args(args), preset=None)
     if args.preset:
-        if engine["model"]:
+        if engine.model:
             raise ValueError("give --model or --preset, not both")
         if not args.checkpoint_dir:
             raise ValueError("--preset needs --checkpoint-dir: a warm start serves a checkpoint, so the preset's "
@@ -170,14 +168,14 @@ def run_startup(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the engines measured next see the whole device
         print(f"checkpoint: preset {args.preset} in {path} ({time.perf_counter() - start:.1f} s)", flush=True)
-        engine["model"] = str(path)
+        engine = dataclasses.replace(engine, model=str(path))
     elif args.checkpoint_dir:
         raise ValueError("--checkpoint-dir goes with --preset (give a checkpoint itself with --model)")
-    if engine["nnodes"] != 1:
+    if engine.nnodes != 1:
         raise ValueError("surge bench startup runs on one node (--nnodes 1)")
-    engine.update(enforce_eager=args.enforce_eager, warmup_workers=args.warmup_workers, load_format="safetensors")
-    config = EngineConfig.create(**engine)  # validates the options once, before any process starts
-    engine["model"] = config.model_config.model
+    engine = dataclasses.replace(engine, load_format="safetensors")
+    config = engine.create_engine_config()  # validates the options once, before any process starts
+    engine = dataclasses.replace(engine, model=config.model_config.model)
     mc = config.model_config
     weights = sum(p.numel() * p.element_size() for p in build_model(mc, torch.device("meta")).parameters())
     print(f"startup of {mc.model}: {mc.architecture}, {mc.dtype}, tp={config.parallel_config.tensor_parallel_size}, "
@@ -193,11 +191,11 @@ def run_startup(args: argparse.Namespace) -> int:
             daemons = _Daemons(engine, socket_dir, args.timeout)
             print(f"weight-cache daemons (sockets in {socket_dir}) ready in {time.perf_counter() - start:.1f} s, "
                   f"holding {_daemon_memory(Path(socket_dir)) / 1e9:.2f} GB", flush=True)
-        warm_engine = {**engine, "load_format": "weight_cache", "weight_cache_dir": socket_dir,
-                       "weight_cache_fallback": False}
+        warm_engine = dataclasses.replace(engine, load_format="weight_cache", weight_cache_dir=socket_dir,
+                                          weight_cache_fallback=False)
         warm = _run_child(warm_engine, args.input_len, args.timeout, "warm start (daemon)")
         parity = None
-        if args.parity and engine["tensor_parallel_size"] == 1 and engine["weight_cache_mode"] == "zero_copy":
+        if args.parity and engine.tensor_parallel_size == 1 and engine.weight_cache_mode == "zero_copy":
             parity = _parity(warm_engine)
         elif args.parity:
             print("parity: skipped (it needs tensor_parallel_size 1, and daemons a copy-mode engine has not "

@@ -12,7 +12,6 @@ import time
 import torch
 
 from surge.bench.common import add_model_args, build_engine, hf_model_for, make_workload, run_engine
-from surge.entrypoints.cli.args import engine_kwargs
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +38,7 @@ def _report(name: str, seconds: float, out_tokens: int, in_tokens: int, num_requ
 
 
 def run_throughput(args: argparse.Namespace) -> None:
-    engine = build_engine(args, engine_kwargs(args))
+    engine = build_engine(args)
     mc = engine.config.model_config
     workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, mc.vocab_size,
                              args.workload_seed, args.input_len_max, args.output_len_max)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 import msgspec
 
 from surge.config import EngineConfig
+from surge.engine.args import EngineArgs
 from surge.engine.core import SchedulerStats
 from surge.engine.core_proc import CoreClient, EngineDeadError
 from surge.engine.input_processor import InputProcessor, Prompt, load_tokenizer
@@ -55,7 +56,8 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, model=None, stats_observers: list[StatsObserver] | None = None,
                          **engine_kwargs) -> AsyncLLM:
-        return cls(EngineConfig.create(model, **engine_kwargs), stats_observers)
+        """engine_kwargs: EngineArgs's fields (surge/engine/args.py)."""
+        return cls(EngineArgs(model, **engine_kwargs).create_engine_config(), stats_observers)
 
     # ---- health ----
     @property

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from surge.config import EngineConfig
+from surge.engine.args import EngineArgs
 from surge.engine.core import EngineCore
 from surge.engine.input_processor import InputProcessor, Message, Prompt, load_tokenizer
 from surge.engine.output_processor import OutputProcessor
@@ -21,7 +21,8 @@ from surge.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", **engine_kwargs) -> None:
-        self.config = EngineConfig.create(model, dtype=dtype, **engine_kwargs)
+        """engine_kwargs: EngineArgs's fields (surge/engine/args.py)."""
+        self.config = EngineArgs(model, dtype=dtype, **engine_kwargs).create_engine_config()
         self.tokenizer = load_tokenizer(self.config.model_config.model)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.engine = EngineCore(self.config)

@@ -4,6 +4,11 @@
 """
 from __future__ import annotations
 
+import torch
+
+from surge.config import ModelConfig
+from surge.model.models.registry import MODEL_REGISTRY
+
 _QWEN3_8B = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
@@ -43,3 +48,10 @@ def get_preset(name: str) -> dict:
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} is unknown; available: {', '.join(PRESETS)}")
     return dict(PRESETS[name])
+
+
+def preset_model_config(name: str, dtype: str | torch.dtype, device: torch.device,
+                        max_model_len: int | None = None) -> ModelConfig:
+    """The preset's ModelConfig, with random weights (load_format="dummy")."""
+    return ModelConfig.from_hf_config(f"preset:{name}", get_preset(name), {}, dtype, device, max_model_len,
+                                      load_format="dummy", supported_architectures=tuple(MODEL_REGISTRY))

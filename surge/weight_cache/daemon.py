@@ -27,7 +27,7 @@ import torch
 
 from surge.config import EngineConfig
 from surge.logger import init_logger
-from surge.model.loader.safetensors_loader import load_model
+from surge.model.loader.base import load_model
 from surge.weight_cache.key import socket_name, weight_cache_key
 from surge.weight_cache.protocol import (MAX_REQUEST_BYTES, ConnectionClosed, ErrorReply, GetMemory, GetState,
                                          HealthReply, MemoryReply, ProtocolError, Release, ReleaseReply, StateReply,
@@ -285,8 +285,8 @@ def agree_on_model(key: WeightCacheKey) -> None:
 
 
 def main() -> int:
+    from surge.distributed.lifecycle import die_with_parent
     from surge.distributed.parallel_state import destroy_distributed, init_distributed
-    from surge.worker.worker import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the launcher decides
     args: DaemonArgs = pickle.load(sys.stdin.buffer)  # from the launcher that spawned us, never from a socket

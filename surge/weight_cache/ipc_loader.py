@@ -1,10 +1,11 @@
-"""The engine side of Fast Start: ask this rank's daemon for its weights and bind them into a model built on the
-meta device, with no copy (zero_copy) or as private copies after which the daemon releases its own (copy).
+"""The engine side of Fast Start, the loader of load_format="weight_cache": ask this rank's daemon for its weights
+and bind them into a model built on the meta device, with no copy (zero_copy) or as private copies after which the
+daemon releases its own (copy). Importing this module registers the loader (surge/model/loader/base.py).
 
-Any reason the cache cannot serve (no daemon, still loading, a key mismatch, weights released, ...) loads from disk
-with a warning that states it; with fallback off the engine fails with that reason instead. The daemon holds
-weights already processed exactly as a disk load would leave them, so the engine processes nothing and never
-writes into memory it shares.
+Any reason the cache cannot serve (no daemon, still loading, a key mismatch, weights released, ...) is raised as
+WeightCacheUnavailable; base.load_model then loads from disk with a warning that states it, or with fallback off
+fails with that reason. The daemon holds weights already processed exactly as a disk load would leave them, so the
+engine processes nothing and never writes into memory it shares.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from torch import nn
 from surge.config import EngineConfig
 from surge.distributed.parallel_state import get_tp_group
 from surge.logger import init_logger
-from surge.model.loader.safetensors_loader import build_model, load_from_disk
+from surge.model.loader.base import LoaderUnavailable, build_model, register_loader
 from surge.weight_cache.key import cuda_index, socket_name, weight_cache_key
 from surge.weight_cache.protocol import (ConnectionClosed, DaemonClient, ErrorReply, GetState, ProtocolError,
                                          Release, ReleaseReply, StateReply)
@@ -31,29 +32,25 @@ from surge.weight_cache.tensor_table import (TableMismatchError, bind_tensors, c
 logger = init_logger(__name__)
 
 
-class WeightCacheUnavailable(Exception):
-    """Why the weight cache cannot serve this rank; the message is the reason, written for people."""
-
-
 class WeightCacheError(RuntimeError):
     """The weight cache cannot serve and fallback is off."""
 
 
+class WeightCacheUnavailable(LoaderUnavailable):
+    """Why the weight cache cannot serve this rank; the message is the reason, written for people."""
+    source = "weight cache"
+    error = WeightCacheError
+
+
+@register_loader("weight_cache")
 def load_from_weight_cache(config: EngineConfig, device: torch.device) -> nn.Module:
     rank = get_tp_group().rank
-    wc = config.weight_cache_config
     start = time.perf_counter()
-    try:
-        model = fetch_model(config, device, rank)
-    except WeightCacheUnavailable as e:
-        if not wc.fallback:
-            raise WeightCacheError(f"weight cache cannot serve rank {rank}: {e} (fallback is off)") from None
-        logger.warning("weight cache cannot serve rank %d: %s; loading from disk instead", rank, e)
-        return load_from_disk(config.model_config, device, config.seed)
+    model = fetch_model(config, device, rank)
     seconds = time.perf_counter() - start
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for _, t, _ in named_tensors(model)}
     where = ("held by the daemon: memory already in use, so the KV cache budget, a share of what is free, counts it"
-             if wc.mode == "zero_copy" else "copied; the daemon released its copy")
+             if config.weight_cache_config.mode == "zero_copy" else "copied; the daemon released its copy")
     logger.info("weight cache: rank %d took %.2f GiB of weights from the daemon in %.2f s (%s)", rank,
                 sum(storages.values()) / 2**30, seconds, where)
     return model

@@ -55,7 +55,8 @@ def _model(heads: int, kv_heads: int, intermediate: int = 144) -> ModelConfig:
     cfg = dict(architectures=["LlamaForCausalLM"], hidden_size=heads * 16, num_hidden_layers=2,
                num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=100,
                intermediate_size=intermediate)
-    return ModelConfig.from_hf_config("m", cfg, {}, "float32", torch.device("cpu"))
+    return ModelConfig.from_hf_config("m", cfg, {}, "float32", torch.device("cpu"),
+                                      supported_architectures=["LlamaForCausalLM"])
 
 
 def test_model_must_split_over_ranks():

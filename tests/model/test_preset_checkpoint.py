@@ -10,10 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from surge.bench.common import run_engine
-from surge.config import EngineConfig, ModelConfig
+from surge.engine.args import EngineArgs, read_model_config
 from surge.engine.core import EngineCore
 from surge.model.loader.preset_checkpoint import write_preset_checkpoint
-from surge.model.loader.safetensors_loader import load_from_disk
+from surge.model.loader.base import load_from_disk
+from surge.model.presets import preset_model_config
 
 CPU = torch.device("cpu")
 
@@ -24,8 +25,8 @@ def test_checkpoint_loads_back_as_the_preset(preset, tmp_path):
     assert len(list(path.glob("*.safetensors"))) > 1  # sharded, with an index
     assert set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()) == {
         f.name for f in path.glob("*.safetensors")}
-    in_memory = load_from_disk(ModelConfig.from_preset(preset, "float32", CPU), CPU, seed=3)
-    loaded = load_from_disk(ModelConfig.from_path(path, "float32", CPU), CPU)
+    in_memory = load_from_disk(preset_model_config(preset, "float32", CPU), CPU, seed=3)
+    loaded = load_from_disk(read_model_config(path, "float32", CPU), CPU)
     ours, theirs = dict(in_memory.named_parameters()), dict(loaded.named_parameters())
     assert ours.keys() == theirs.keys()
     for name in ours:
@@ -36,7 +37,8 @@ def test_checkpoint_loads_back_as_the_preset(preset, tmp_path):
     prompt = [5, 17, 300, 42, 9, 1000, 77]
     with torch.no_grad():  # greedy from HF's own reading of the checkpoint, against Surge's
         hf_tokens = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
-    engine = EngineCore(EngineConfig.create(path, device="cpu", max_model_len=64, kv_cache_memory=1 << 22))
+    config = EngineArgs(path, device="cpu", max_model_len=64, kv_cache_memory=1 << 22).create_engine_config()
+    engine = EngineCore(config)
     assert run_engine(engine, [(prompt, 8)], show_progress=False)["0"] == hf_tokens
 
 

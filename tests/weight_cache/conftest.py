@@ -28,12 +28,14 @@ def daemon(tied_dir, tmp_path):
 
 @pytest.fixture
 def loader_log():
-    """Messages of surge.weight_cache.ipc_loader in this process (the surge logger does not propagate to pytest)."""
+    """Messages of the weight-cache loader and of load_model's fallback in this process (the surge logger does not
+    propagate to pytest)."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("surge.weight_cache.ipc_loader")
-    logger.addHandler(handler)
+    loggers = [logging.getLogger(name) for name in ("surge.weight_cache.ipc_loader", "surge.model.loader.base")]
+    for logger in loggers:
+        logger.addHandler(handler)
 
     class Log:
         def take(self) -> str:
@@ -44,4 +46,5 @@ def loader_log():
     try:
         yield Log()
     finally:
-        logger.removeHandler(handler)
+        for logger in loggers:
+            logger.removeHandler(handler)

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from surge.config import EngineConfig
+from surge.engine.args import EngineArgs
 from surge.weight_cache.daemon import WeightCacheDaemon
 from surge.weight_cache.protocol import (PROTOCOL_VERSION, DaemonClient, ErrorReply, GetMemory, GetState, Health,
                                          HealthReply, MemoryReply, StateReply, decode_reply, recv_frame)
@@ -125,7 +125,7 @@ def test_directory_rules(tmp_path):
 
 def test_lock_file_stops_a_second_daemon(tied_dir, tmp_path):
     with running_daemon(tied_dir, tmp_path / "s") as first:
-        config = EngineConfig.create(tied_dir, device="cpu", max_model_len=128)
+        config = EngineArgs(tied_dir, device="cpu", max_model_len=128).create_engine_config()
         second = WeightCacheDaemon(config, 0, torch.device("cpu"), tmp_path / "s")
         with pytest.raises(LockHeldError, match=rf"another weight-cache daemon \(pid {os.getpid()}\) holds"):
             second.acquire()

@@ -12,7 +12,8 @@ import torch
 
 from surge import LLM
 from surge.config import EngineConfig
-from surge.model.loader.safetensors_loader import load_from_disk
+from surge.engine.args import EngineArgs
+from surge.model.loader.base import load_from_disk
 from surge.weight_cache.ipc_loader import WeightCacheError, fetch_model
 from surge.weight_cache.parity import diff_fingerprints, fingerprint
 from surge.weight_cache.protocol import DaemonClient, GetMemory
@@ -21,7 +22,7 @@ from tiny_models import make_tiny_model
 from weight_cache_daemons import ENGINE, cached, generate, running_daemon
 
 def _config(model_dir, socket_dir, **kwargs) -> EngineConfig:
-    return EngineConfig.create(model_dir, device="cpu", max_model_len=128, **cached(socket_dir, **kwargs))
+    return EngineArgs(model_dir, device="cpu", max_model_len=128, **cached(socket_dir, **kwargs)).create_engine_config()
 
 
 def test_parity_with_a_disk_load(daemon, tied_dir):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from surge.config import EngineConfig, ParallelConfig
+from surge.config import ParallelConfig
+from surge.engine.args import EngineArgs
 from surge.distributed.ranks import node_ranks
 from surge.weight_cache.launcher import HealthServer, Launcher, daemon_parallel_config, daemon_ranks
 from weight_cache_daemons import get_health
@@ -33,7 +34,7 @@ def test_daemons_rendezvous_on_their_own_port():
 
 
 def test_launcher_health_is_503_until_its_daemons_are_ready(llama_dir, tmp_path):
-    config = EngineConfig.create(llama_dir, device="cpu", max_model_len=128)
+    config = EngineArgs(llama_dir, device="cpu", max_model_len=128).create_engine_config()
     launcher = Launcher(config, str(tmp_path / "s"), health_port=0)  # nothing started yet: loading
     try:
         code, body = get_health(launcher.health.port)

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from surge.config import EngineConfig
+from surge.engine.args import EngineArgs
 from surge.weight_cache.key import socket_name, weight_cache_key
 from surge.weight_cache.protocol import (FD_BATCH, MAX_REQUEST_BYTES, PROTOCOL_VERSION, CudaIpcHandle, GetMemory,
                                          GetState, Health, ProtocolError, Release, StateReply, StorageHandle,
@@ -20,7 +20,7 @@ from surge.weight_cache.protocol import (FD_BATCH, MAX_REQUEST_BYTES, PROTOCOL_V
 
 
 def _key(model_dir, rank: int = 0, **engine):
-    config = EngineConfig.create(model_dir, **{"device": "cpu", "max_model_len": 128, **engine})
+    config = EngineArgs(model_dir, **{"device": "cpu", "max_model_len": 128, **engine}).create_engine_config()
     return weight_cache_key(config.model_config, config.parallel_config, rank, config.device)
 
 
@@ -118,8 +118,8 @@ def test_cpu_sockets_are_named_by_rank():
 
 def test_unknown_engine_options_are_refused(llama_dir):
     with pytest.raises(ValueError, match="weight_cache_mode='fast' is not supported"):
-        EngineConfig.create(llama_dir, device="cpu", weight_cache_mode="fast")
+        EngineArgs(llama_dir, device="cpu", weight_cache_mode="fast").create_engine_config()
     with pytest.raises(ValueError, match="has no checkpoint for load_format='weight_cache'"):
-        EngineConfig.create(preset="tiny-llama", device="cpu", load_format="weight_cache")
+        EngineArgs(preset="tiny-llama", device="cpu", load_format="weight_cache").create_engine_config()
     with pytest.raises(ValueError, match="weight_cache_timeout=0"):
-        EngineConfig.create(llama_dir, device="cpu", weight_cache_timeout=0)
+        EngineArgs(llama_dir, device="cpu", weight_cache_timeout=0).create_engine_config()

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from surge import LLM, SamplingParams
-from surge.config import EngineConfig
+from surge.engine.args import EngineArgs
 from surge.weight_cache.daemon import WeightCacheDaemon
 from surge.weight_cache.launcher import socket_states
 from surge.weight_cache.protocol import DaemonClient, Health
@@ -61,7 +61,7 @@ def cached(socket_dir, **kwargs) -> dict:
 @contextlib.contextmanager
 def running_daemon(model_dir: Path, socket_dir: Path, **engine):
     """A started daemon in this process whose socket a thread serves; closed (socket and lock removed) on exit."""
-    config = EngineConfig.create(model_dir, **{"device": "cpu", "max_model_len": 128, **engine})
+    config = EngineArgs(model_dir, **{"device": "cpu", "max_model_len": 128, **engine}).create_engine_config()
     daemon = WeightCacheDaemon(config, 0, torch.device("cpu"), socket_dir)
     daemon.start()
     thread = threading.Thread(target=daemon.serve_forever, daemon=True)

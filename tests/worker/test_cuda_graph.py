@@ -19,12 +19,13 @@ def test_capture_sizes_cover_every_batch(max_num_seqs):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_matches_eager():
     from surge.bench.common import run_engine
-    from surge.config import EngineConfig
+    from surge.engine.args import EngineArgs
     from surge.engine.core import EngineCore
 
     def engine(enforce_eager: bool) -> EngineCore:
-        return EngineCore(EngineConfig.create(preset="tiny-qwen3-hybrid", load_format="dummy", device="cuda",
-                                              enforce_eager=enforce_eager, max_num_seqs=16, max_model_len=512))
+        return EngineCore(EngineArgs(preset="tiny-qwen3-hybrid", load_format="dummy", device="cuda",
+                                     enforce_eager=enforce_eager, max_num_seqs=16,
+                                     max_model_len=512).create_engine_config())
 
     # Mixed lengths, more requests than some capture sizes: padding rows must not disturb real ones.
     workload = [([100 + i] * (5 + 7 * i), 24) for i in range(11)]

@@ -5,9 +5,11 @@ Heavy imports (torch, transformers) happen inside the subcommands, so `surge --h
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from surge.entrypoints.cli.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+from surge.engine.args import EngineArgs
+from surge.entrypoints.cli.args import add_sampling_args, sampling_params
 
 
 def cmd_model_path(args: argparse.Namespace) -> int:
@@ -19,7 +21,7 @@ def cmd_model_path(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from surge import LLM
     params = sampling_params(args)
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         print("surge generate: give at least one prompt (argument or stdin)", file=sys.stderr)
@@ -34,7 +36,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from surge import LLM
     params = sampling_params(args)
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     conversation = [{"role": "system", "content": args.system}] if args.system else []
 
     def reply(text: str) -> str:
@@ -61,9 +63,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from surge import envs
     from surge.entrypoints.openai.app import run_server
-    run_server(engine_kwargs(args), host=args.host, port=args.port, api_key=args.api_key or envs.SURGE_API_KEY,
-               served_model_names=args.served_model_name, log_level=args.log_level,
-               access_log=not args.no_access_log)
+    run_server(EngineArgs.from_cli_args(args), host=args.host, port=args.port,
+               api_key=args.api_key or envs.SURGE_API_KEY, served_model_names=args.served_model_name,
+               log_level=args.log_level, access_log=not args.no_access_log)
     return 0
 
 
@@ -96,25 +98,24 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
 
 
 def cmd_weight_cache_serve(args: argparse.Namespace) -> int:
-    from surge.config import EngineConfig
     from surge.weight_cache.launcher import serve
-    kwargs = engine_kwargs(args)
-    if kwargs["load_format"] not in ("auto", "safetensors"):
-        raise ValueError(f"--load-format={kwargs['load_format']}: the daemons load the checkpoint itself (auto or "
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.load_format not in ("auto", "safetensors"):
+        raise ValueError(f"--load-format={engine_args.load_format}: the daemons load the checkpoint itself (auto or "
                          "safetensors)")
-    return serve(EngineConfig.create(**kwargs), args.weight_cache_dir, args.weight_cache_master_port,
+    return serve(engine_args.create_engine_config(), args.weight_cache_dir, args.weight_cache_master_port,
                  args.health_host, args.health_port)
 
 
 def run_headless_node(args: argparse.Namespace) -> int:
     """--node-rank > 0: whatever the subcommand, this node only runs its ranks for node 0's engine."""
-    from surge.config import EngineConfig
     from surge.worker.executor import run_headless
-    kwargs = engine_kwargs(args)
-    if getattr(args, "preset", None):  # bench subcommands: the same random-weight model as node 0
-        kwargs.update(model=None, preset=args.preset, load_format="dummy")
-    kwargs["enforce_eager"] = getattr(args, "enforce_eager", False)  # CUDA graphs must match node 0's
-    return run_headless(EngineConfig.create(**kwargs))
+    # The bench subcommands' --preset and --enforce-eager come along: the same random-weight model as node 0, and
+    # CUDA graphs that match node 0's.
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.preset:
+        engine_args = dataclasses.replace(engine_args, model=None, load_format="dummy")
+    return run_headless(engine_args.create_engine_config())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API (completions, chat, responses)")
-    add_engine_args(p, model_positional=True)
+    EngineArgs.add_cli_args(p, model_positional=True)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000)
@@ -140,38 +141,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="complete prompts")
     p.add_argument("prompt", nargs="*", help="prompts (default: one per line on stdin)")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat with the model: interactive, or one-shot with a message")
     p.add_argument("message", nargs="?", default=None, help="one message to answer, then exit")
     p.add_argument("--system", default=None, help="system prompt")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from surge.bench.throughput import add_throughput_args
     p = bench.add_parser("throughput", help="offline throughput on random-token prompts")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_throughput_args(p)
     p.set_defaults(func=cmd_bench_throughput)
     from surge.bench.latency import add_latency_args
     p = bench.add_parser("latency", help="prefill and per-token decode latency, with GB/s, MBU, TFLOP/s and MFU")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_latency_args(p)
     p.set_defaults(func=cmd_bench_latency)
     from surge.bench.parity import add_parity_args
     p = bench.add_parser("parity", help="greedy output against HF transformers on the same weights, with where "
                          "and by how much they part")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_parity_args(p)
     p.set_defaults(func=cmd_bench_parity)
     from surge.bench.startup import add_startup_args
     p = bench.add_parser("startup", help="cold start (disk) against warm start (weight-cache daemon): weight-load "
                          "seconds and time from process start to first token")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_startup_args(p)
     p.set_defaults(func=cmd_bench_startup)
     from surge.bench.serve import add_serve_bench_args
@@ -183,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "engines").add_subparsers(dest="weight_cache_command", required=True)
     p = weight_cache.add_parser("serve", help="one launcher per node: a daemon per local device (per rank on CPU) "
                                 "loads its shard and serves it on a Unix socket until SIGTERM")
-    add_engine_args(p, model_positional=True)
+    EngineArgs.add_cli_args(p, model_positional=True)
     g = p.add_argument_group("weight-cache daemons")
     g.add_argument("--weight-cache-master-port", type=int, default=None, help="the daemons' own rendezvous port on "
                    "--master-addr (required with --nnodes > 1; never the engine's --master-port)")

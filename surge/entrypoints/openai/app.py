@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from surge.engine.args import EngineArgs
 from surge.engine.async_llm import AsyncLLM
 from surge.entrypoints.openai.chat import ChatHandler
 from surge.entrypoints.openai.completions import CompletionsHandler
@@ -146,15 +147,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     return app
 
 
-def run_server(engine_kwargs: dict, host: str, port: int, api_key: str | None, served_model_names: list[str] | None,
+def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None, served_model_names: list[str] | None,
                log_level: str = "info", access_log: bool = True) -> None:
     import uvicorn
 
-    from surge.config import EngineConfig
-
-    config = EngineConfig.create(**engine_kwargs)
+    config = engine_args.create_engine_config()
     # Named as the user gave the model; the default model by its directory name rather than a cache path.
-    names = served_model_names or [engine_kwargs.get("model") or Path(config.model_config.model).name]
+    names = served_model_names or [str(engine_args.model or Path(config.model_config.model).name)]
     metrics = PrometheusMetrics(names[0])
     engine = AsyncLLM(config, stats_observers=[metrics])
     try:

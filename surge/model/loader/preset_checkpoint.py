@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from surge.config import ModelConfig
 from surge.model.layers.linear import MergedColumnParallelLinear
-from surge.model.loader.safetensors_loader import load_from_disk
+from surge.model.loader.base import load_from_disk
+from surge.model.presets import preset_model_config
 
 _SHARD_BYTES = 4 << 30
 
@@ -62,7 +62,7 @@ def write_preset_checkpoint(preset: str, out_dir: str | Path, dtype: str | torch
     """Write `preset` (random weights from `seed`, generated on `device`) to `out_dir` unless it already holds it;
     a directory holding anything else is an error. Written beside, then renamed into place."""
     out_dir = Path(out_dir)
-    mc = ModelConfig.from_preset(preset, dtype, device)
+    mc = preset_model_config(preset, dtype, device)
     dtype_name = str(mc.dtype).removeprefix("torch.")
     marker = {"surge_preset": preset, "surge_seed": seed, "dtype": dtype_name}
     if out_dir.exists():

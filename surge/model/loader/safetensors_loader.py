@@ -1,8 +1,7 @@
-"""Build a model and fill it: from an HF-format checkpoint (one or many safetensors shards) through each
-parameter's weight loader, from any (name, tensor) iterator (an HF model in memory), or with random weights.
+"""Fill a built model: from an HF-format checkpoint (one or many safetensors shards) through each parameter's
+weight loader, from any (name, tensor) iterator (an HF model in memory), or with random weights.
 
-`load_model` is the engine's one loading seam; load_format="weight_cache" maps the weights from this rank's Fast
-Start daemon instead (surge/weight_cache/ipc_loader.py), which itself loaded them through `load_from_disk`."""
+Building the model and choosing how to fill it is base.py's (the load_format table)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -12,21 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from surge.config import EngineConfig, ModelConfig
 from surge.model.layers.linear import default_weight_loader
-from surge.model.models.registry import get_model_class
-
-
-def build_model(config: ModelConfig, device: torch.device) -> nn.Module:
-    cls = get_model_class(config.architecture)
-    old_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(config.dtype)
-    try:
-        with torch.device(device):
-            model = cls(config.hf_config, config.layer_types, config.sliding_window, config.max_model_len)
-    finally:
-        torch.set_default_dtype(old_dtype)
-    return model.eval()
 
 
 def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -78,19 +63,9 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.normal_(0.0, 0.02, generator=gen)
 
 
-def load_from_disk(config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
-    """Built, then filled from the checkpoint (or randomly for load_format="dummy")."""
-    model = build_model(config, device)
-    if config.load_format == "dummy":
-        init_dummy_weights(model, seed)
-    else:
-        load_weights(model, iterate_safetensors(config.model), config.model)
-    return model
-
-
-def load_model(config: EngineConfig, device: torch.device) -> nn.Module:
-    """The model as the engine runs it, on `device` (this rank's shard, post-load processing done)."""
-    if config.model_config.load_format == "weight_cache":
-        from surge.weight_cache.ipc_loader import load_from_weight_cache
-        return load_from_weight_cache(config, device)
-    return load_from_disk(config.model_config, device, config.seed)
+def __getattr__(name: str):
+    """Transitional: build_model, load_from_disk and load_model moved to base.py; old imports still resolve."""
+    if name in ("build_model", "load_from_disk", "load_model"):
+        from surge.model.loader import base
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

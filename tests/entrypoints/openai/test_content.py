@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from surge.config import EngineConfig
+from surge.engine.args import EngineArgs
 from surge.engine.input_processor import InputProcessor, load_tokenizer
 from surge.entrypoints.openai.content import PART_ALIASES, UNSUPPORTED_PARTS, content_text
 from surge.entrypoints.openai.errors import APIError
@@ -19,7 +19,7 @@ from surge.entrypoints.openai.serving import OpenAIServing
 @pytest.fixture(scope="module")
 def serving(default_model_dir):
     """The real default model's tokenizer and ChatML template, without an engine process."""
-    config = EngineConfig.create(default_model_dir, device="cpu")
+    config = EngineArgs(default_model_dir, device="cpu").create_engine_config()
     tokenizer = load_tokenizer(default_model_dir)
     engine = SimpleNamespace(config=config, tokenizer=tokenizer, input_processor=InputProcessor(config, tokenizer),
                              dead_error=None)

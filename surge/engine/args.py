@@ -1,0 +1,211 @@
+"""EngineArgs: every user-facing engine option with its default, given as keyword arguments (LLM, AsyncLLM) or as
+command-line flags (the CLI, the server, the benchmarks), and turned into a frozen EngineConfig.
+
+This is where options meet the disk: config.json and generation_config.json are read, the default model is
+converted from its GGUF, presets are looked up; surge/config.py only validates what it is given.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import surge.weight_cache.ipc_loader  # noqa: F401 (registers the weight_cache load format)
+from surge.config import (WEIGHT_CACHE_MODES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                          SchedulerConfig, WeightCacheConfig)
+from surge.model.loader.base import load_formats
+from surge.model.models.registry import MODEL_REGISTRY
+from surge.model.presets import preset_model_config
+
+# "auto": the checkpoint of a model directory, random weights for a preset.
+AUTO_LOAD_FORMAT = "auto"
+_MODEL_HELP = "HF-format model directory (default: the embedded SmolLM2-135M-Instruct)"
+# Fields whose flag has another name (--seed is the sampling seed) or says the opposite: field -> (dest, negated).
+_CLI_DESTS = {"seed": ("engine_seed", False), "enable_prefix_caching": ("no_prefix_caching", True),
+              "weight_cache_fallback": ("no_weight_cache_fallback", True)}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | Path | None = None  # None (and no preset): the default model
+    _: dataclasses.KW_ONLY
+    dtype: str | torch.dtype = "auto"
+    device: str | None = None  # None: cuda when available
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None
+    memory_fraction: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len when chunked prefill is off
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    seed: int = 0
+    preset: str | None = None  # a built-in config with random weights, instead of a model directory
+    load_format: str = AUTO_LOAD_FORMAT
+    enforce_eager: bool = False
+    warmup_workers: int = 1
+    weight_cache_dir: str | None = None
+    weight_cache_mode: str = "zero_copy"
+    weight_cache_fallback: bool = True
+    weight_cache_timeout: float = 30.0
+    async_scheduling: bool | None = None  # None: on with CUDA
+
+    # ---- command line ----
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+        d = EngineArgs
+        if model_positional:
+            p.add_argument("model", nargs="?", default=d.model, help=_MODEL_HELP)
+        else:
+            p.add_argument("--model", default=d.model, help=_MODEL_HELP)
+        g = p.add_argument_group("engine")
+        g.add_argument("--dtype", default=d.dtype,
+                       help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+        g.add_argument("--device", default=d.device, help="cpu or cuda (default: cuda when available)")
+        g.add_argument("--max-model-len", type=int, default=d.max_model_len)
+        g.add_argument("--block-size", type=int, default=d.block_size)
+        g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+        g.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="KV cache budget in bytes")
+        g.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
+                       help="share of free memory for the KV cache")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="token budget per step")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        g.add_argument("--engine-seed", type=int, default=d.seed, help="seed of the global RNG")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                       help="launch each step before the previous step's tokens reach the host (default: on with "
+                       "CUDA)")
+        g = p.add_argument_group("parallelism")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                       help="ranks the model is split over")
+        g.add_argument("--nnodes", type=int, default=d.nnodes,
+                       help="nodes the ranks are spread over (one launcher per node)")
+        g.add_argument("--node-rank", type=int, default=d.node_rank, help="this node's index; nodes other than 0 "
+                       "run headless workers until node 0's engine stops")
+        g.add_argument("--master-addr", default=d.master_addr, help="address of node 0, where the ranks meet")
+        g.add_argument("--master-port", type=int, default=d.master_port, help="port on node 0 where the ranks meet "
+                       "(required with --nnodes > 1; default: a free port)")
+        g = p.add_argument_group("loading (Fast Start: `surge weight-cache serve` keeps the weights loaded)")
+        g.add_argument("--load-format", default=d.load_format, choices=list(_load_format_choices()),
+                       help="weight_cache: map the weights from this node's weight-cache daemons")
+        g.add_argument("--weight-cache-dir", default=d.weight_cache_dir, help="the daemons' socket directory "
+                       "(default: $SURGE_WEIGHT_CACHE_DIR or /tmp/surge-weight-cache-UID)")
+        g.add_argument("--weight-cache-mode", default=d.weight_cache_mode, choices=list(WEIGHT_CACHE_MODES),
+                       help="zero_copy: use the daemon's memory (the daemon must outlive the engine); copy: clone "
+                       "it, then the daemon releases its copy")
+        g.add_argument("--no-weight-cache-fallback", action="store_true",
+                       help="fail, stating the reason, when the weight cache cannot serve (default: load from disk)")
+        g.add_argument("--weight-cache-timeout", type=float, default=d.weight_cache_timeout,
+                       help="seconds to connect to a daemon and to wait for each reply")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """Every field whose flag the parser defined: add_cli_args's, and those a subcommand adds under the field's
+        own name (the benchmarks' --preset, --enforce-eager, --warmup-workers)."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            dest, negated = _CLI_DESTS.get(f.name, (f.name, False))
+            if hasattr(args, dest):
+                value = getattr(args, dest)
+                values[f.name] = not value if negated else value
+        return cls(**values)
+
+    # ---- configs ----
+    def create_engine_config(self) -> EngineConfig:
+        formats = _load_format_choices()
+        if self.load_format not in formats:
+            raise ValueError(f"load_format={self.load_format!r} is not supported; choose {', '.join(formats)}")
+        weight_cache_config = WeightCacheConfig(
+            socket_dir=None if self.weight_cache_dir is None else str(self.weight_cache_dir),
+            mode=self.weight_cache_mode, fallback=self.weight_cache_fallback, timeout=self.weight_cache_timeout)
+        if self.preset is not None and self.model is not None:
+            raise ValueError(f"give model or preset, not both (model={str(self.model)!r}, preset={self.preset!r})")
+        device = _resolve_device(self.device)
+        model_config = self.create_model_config(device)
+        parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size, nnodes=self.nnodes,
+                                         node_rank=self.node_rank, master_addr=self.master_addr,
+                                         master_port=self.master_port)
+        parallel_config.check_model(model_config)
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                                     kv_cache_memory=self.kv_cache_memory, memory_fraction=self.memory_fraction,
+                                     num_gpu_blocks_override=self.num_gpu_blocks_override),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                             max_num_seqs=self.max_num_seqs, max_model_len=model_config.max_model_len,
+                                             enable_chunked_prefill=self.enable_chunked_prefill,
+                                             # on by default where the device runs apart from the host
+                                             async_scheduling=device.type == "cuda" if self.async_scheduling is None
+                                             else bool(self.async_scheduling)),
+            parallel_config=parallel_config,
+            device=device,
+            seed=self.seed,
+            enforce_eager=self.enforce_eager or device.type != "cuda",
+            warmup_workers=self.warmup_workers,
+            weight_cache_config=weight_cache_config,
+        )
+
+    def create_model_config(self, device: torch.device) -> ModelConfig:
+        """From the preset, or from the model directory (the default model's, converted on first use)."""
+        if self.preset is not None:
+            if self.load_format not in (AUTO_LOAD_FORMAT, "dummy"):
+                raise ValueError(f"preset={self.preset!r} has no checkpoint for load_format={self.load_format!r}: "
+                                 "use load_format='dummy' (random weights), or write one with `surge bench startup "
+                                 "--preset NAME --checkpoint-dir DIR`")
+            return preset_model_config(self.preset, self.dtype, device, self.max_model_len)
+        model = self.model
+        if model is None:
+            from surge.model.loader.default_model import default_model_path  # converts the GGUF on first use
+            model = default_model_path()
+        model_config = read_model_config(model, self.dtype, device, self.max_model_len)
+        if self.load_format != AUTO_LOAD_FORMAT:
+            model_config = dataclasses.replace(model_config, load_format=self.load_format)
+        return model_config
+
+
+def read_model_config(model: str | Path, dtype: str | torch.dtype, device: torch.device,
+                      max_model_len: int | None = None) -> ModelConfig:
+    """The ModelConfig of an HF-format directory: config.json, generation_config.json, and *.safetensors present."""
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(f"model={str(model)!r}: not a directory; expected an HF-format model directory "
+                         "(config.json, *.safetensors, tokenizer files). Models are never fetched from a hub.")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model={str(model)!r}: config.json is missing")
+    try:
+        cfg = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model={str(model)!r}: config.json is not valid JSON ({e})") from None
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"model={str(model)!r}: no *.safetensors weight files found")
+    gen = path / "generation_config.json"
+    gen_cfg = json.loads(gen.read_text()) if gen.is_file() else {}
+    return ModelConfig.from_hf_config(str(path), cfg, gen_cfg, dtype, device, max_model_len,
+                                      supported_architectures=tuple(MODEL_REGISTRY))
+
+
+def _load_format_choices() -> tuple[str, ...]:
+    return (AUTO_LOAD_FORMAT, *load_formats())
+
+
+def _resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is not a valid torch device (try 'cpu' or 'cuda')") from None
