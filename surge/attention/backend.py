@@ -1,7 +1,6 @@
-"""The attention-backend interface: per-step metadata built once by the model runner, and a backend that
-writes new keys/values into the paged cache and attends over each request's blocks.
-
-Backends register by name; the CPU backend is plain torch, the GPU one (Triton) plugs in the same way.
+"""The attention-backend interface: a backend owns its KV cache layout (`kv_cache_shape`), builds its metadata
+per KV cache group from what the runner computes once per step, warms up its kernels, and says how CUDA graphs use
+it. Backends register by name; the CPU backend is plain torch, the GPU one (Triton) plugs in the same way.
 """
 from __future__ import annotations
 
@@ -9,50 +8,95 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+
+from surge.kernels.reference import rms_norm, rotate_half
 
 
 @dataclass
-class AttentionMetadata:
+class CommonAttentionMetadata:
+    """What every KV cache group shares in one step: the batch's layout, host and device copies."""
     num_reqs: int
     num_tokens: int
     query_start_loc: list[int]  # [num_reqs + 1], on the host
     seq_lens: list[int]  # tokens in the cache for each request after this step
     max_query_len: int
     max_seq_len: int
-    # Per KV cache group:
-    slot_mapping: list[torch.Tensor]  # [num_tokens] int64: block_id * block_size + offset of each new token
-    block_tables: list[torch.Tensor]  # [num_reqs, max_blocks] int32, padded with the null block
-    # Device copies, for batched kernels:
-    query_start_loc_t: torch.Tensor
+    query_start_loc_t: torch.Tensor  # device copies, for batched kernels
     seq_lens_t: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata(CommonAttentionMetadata):
+    """One KV cache group's view of the step: the common layout plus its own slots and block tables."""
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32, padded with the null block
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
 
 
 @dataclass
 class Prologue:
     """What q and k go through before the cache write: optional per-head RMSNorm (Qwen3), then rotary embedding.
-    A backend may fuse it with the write; `apply` is the unfused reference."""
+    Plain tensors, so a backend may fuse it with the write; `apply` is the unfused reference."""
     positions: torch.Tensor  # [T]
-    rotary: nn.Module  # RotaryEmbedding: (positions, q, k) -> (q, k), with cos_cache / sin_cache buffers
-    q_norm: nn.Module | None = None  # RMSNorm over head_dim (weight, eps)
-    k_norm: nn.Module | None = None
+    cos_cache: torch.Tensor  # [max_position, head_dim // 2] float32
+    sin_cache: torch.Tensor
+    q_norm_weight: torch.Tensor | None = None  # RMSNorm over head_dim
+    k_norm_weight: torch.Tensor | None = None
+    norm_eps: float = 0.0
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return self.rotary(self.positions, q, k)
+        if self.q_norm_weight is not None:
+            q, k = rms_norm(q, self.q_norm_weight, self.norm_eps), rms_norm(k, self.k_norm_weight, self.norm_eps)
+        cos = self.cos_cache[self.positions].unsqueeze(1)
+        sin = self.sin_cache[self.positions].unsqueeze(1)
+        return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
 
 
 class AttentionBackend(ABC):
     name: str
+    # Decode steps may be captured in CUDA graphs: the backend reads every live length from device tensors.
+    supports_cuda_graphs = False
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The shape of one layer's cache tensor (keys and values)."""
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def build_metadata(self, common: CommonAttentionMetadata, slot_mapping: torch.Tensor,
+                       block_table: torch.Tensor) -> AttentionMetadata:
+        """One group's metadata for a step."""
+        return AttentionMetadata(**vars(common), slot_mapping=slot_mapping, block_table=block_table)
+
+    def build_for_graph_capture(self, common: CommonAttentionMetadata, slot_mapping: torch.Tensor,
+                                block_table: torch.Tensor) -> AttentionMetadata:
+        """Metadata a CUDA graph captures: shaped by capacity, so every replay reuses it."""
+        return self.build_metadata(common, slot_mapping, block_table)
+
+    def warm_up(self, device: torch.device, shapes: AttentionShapes, decode_sizes: list[int], max_num_seqs: int,
+                max_workers: int) -> int:
+        """Compile the kernel variants the runtime will dispatch; returns how many were compiled."""
+        return 0
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, group_id: int, sliding_window: int | None, scale: float,
+                meta: AttentionMetadata, sliding_window: int | None, scale: float,
                 prologue: Prologue | None = None) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D].
-        Applies the prologue to q and k, writes k, v at meta.slot_mapping[group_id]; returns [T, Hq, D]. A query at
-        position p attends to positions <= p, and with a sliding window only to positions > p - sliding_window."""
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: `kv_cache_shape(...)`; meta: the layer's group's.
+        Applies the prologue to q and k, writes k, v at meta.slot_mapping; returns [T, Hq, D]. A query at position p
+        attends to positions <= p, and with a sliding window only to positions > p - sliding_window."""
+
+
+@dataclass(frozen=True)
+class AttentionShapes:
+    """A model's attention as kernels see it (per rank), for warm-up."""
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    sliding: tuple[bool, ...]  # which kinds occur: full (False), sliding (True)
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

@@ -16,17 +16,17 @@ from surge.attention.backend import AttentionBackend, AttentionMetadata, registe
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, group_id, sliding_window, scale, prologue=None):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale, prologue=None):
         if prologue is not None:
             q, k = prologue.apply(q, k)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-        slots = meta.slot_mapping[group_id]
+        slots = meta.slot_mapping
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
         out = torch.empty_like(q)
-        block_table = meta.block_tables[group_id]
+        block_table = meta.block_table
         qsl = meta.query_start_loc
         decode_rows = [r for r in range(meta.num_reqs) if qsl[r + 1] - qsl[r] == 1]
         if decode_rows:

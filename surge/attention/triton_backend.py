@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from surge.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from surge.attention.backend import AttentionBackend, AttentionMetadata, AttentionShapes, register_backend
+
 
 # Triton's interpreter runs on the CPU; the split policy then assumes a GPU of this many SMs (an H100/H200).
 _CPU_NUM_SMS = 132
@@ -15,6 +16,7 @@ _CPU_NUM_SMS = 132
 @register_backend
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self) -> None:
         self._kernels: dict[torch.device, object] = {}
@@ -29,19 +31,31 @@ class TritonAttentionBackend(AttentionBackend):
             self._kernels[device] = PagedAttention(device, num_sms)
         return self._kernels[device]
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, group_id, sliding_window, scale, prologue=None):
+    def warm_up(self, device: torch.device, shapes: AttentionShapes, decode_sizes: list[int], max_num_seqs: int,
+                max_workers: int) -> int:
+        """Every attention variant the runtime will dispatch (each decode capture size and the mixed launch, per
+        attention kind), compiled before serving, so no request or graph capture waits for the compiler."""
+        if device.type != "cuda":
+            return 0
+        kernel = self.kernel(device)
+        keys = [kernel.dispatch(decode_only=decode, num_seqs=n, num_q_heads=shapes.num_q_heads,
+                                num_kv_heads=shapes.num_kv_heads, head_dim=shapes.head_dim,
+                                block_size=shapes.block_size, dtype=shapes.dtype, sliding=sliding)
+                for sliding in shapes.sliding
+                for decode, n in [(False, max_num_seqs)] + [(True, n) for n in decode_sizes]]
+        return kernel.compile_many(keys, max_workers=max_workers)
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale, prologue=None):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        slots = meta.slot_mapping[group_id]
+        slots = meta.slot_mapping
         if prologue is None:
             from surge.kernels.kv_cache import write_kv_cache
             write_kv_cache(k, v, k_cache, v_cache, slots)
         else:  # norm + rotary + cache write in one launch
             from surge.kernels.rotary import rotary_write_kv
-            qn, kn = prologue.q_norm, prologue.k_norm
-            rotary_write_kv(prologue.positions, q, k, v, prologue.rotary.cos_cache, prologue.rotary.sin_cache,
-                            k_cache, v_cache, slots, qn.weight if qn is not None else None,
-                            kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0)
+            rotary_write_kv(prologue.positions, q, k, v, prologue.cos_cache, prologue.sin_cache, k_cache, v_cache,
+                            slots, prologue.q_norm_weight, prologue.k_norm_weight, prologue.norm_eps)
         return self.kernel(q.device)(
-            q, k_cache, v_cache, meta.block_tables[group_id], meta.seq_lens_t, meta.query_start_loc_t,
-            num_seqs=meta.num_reqs, decode_only=meta.max_query_len == 1, sliding_window=sliding_window,
+            q, k_cache, v_cache, meta.block_table, meta.seq_lens_t, meta.query_start_loc_t,
+            num_seqs=meta.num_reqs, decode_only=meta.decode_only, sliding_window=sliding_window,
             scale=scale)

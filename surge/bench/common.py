@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from surge.engine.args import EngineArgs
 from surge.engine.core import EngineCore
-from surge.engine.request import Request
+from surge.core.request import Request
 from surge.sampling_params import SamplingParams
 
 
@@ -54,9 +54,9 @@ def build_engine(args: argparse.Namespace) -> EngineCore:
     start = time.perf_counter()
     engine = EngineCore(engine_args.create_engine_config())
     engine.startup_seconds = time.perf_counter() - start
-    graph_runner = getattr(engine.runner, "graph_runner", None)  # in-process runner only (tp == 1)
-    graphs = graph_runner.capture_seconds if graph_runner is not None else 0.0
-    warmup = getattr(engine.runner, "warmup_seconds", 0.0)
+    runner = getattr(engine.executor, "runner", None)  # the in-process runner's phases (tp == 1) only
+    graphs = runner.graph_runner.capture_seconds if runner is not None and runner.graph_runner else 0.0
+    warmup = runner.warmup_seconds if runner is not None else 0.0
     print(f"start-up: {engine.startup_seconds:.2f} s to ready (kernel warm-up {warmup:.2f} s with "
           f"{args.warmup_workers} worker(s), CUDA graph capture {graphs:.2f} s)", flush=True)
     return engine
@@ -68,7 +68,7 @@ def run_engine(engine: EngineCore, workload: list[tuple[list[int], int]], desc: 
     cfg = engine.config
     for i, (prompt, out_len) in enumerate(workload):
         params = SamplingParams(temperature=0, max_tokens=out_len, min_tokens=out_len, ignore_eos=True)
-        engine.add_request(Request(str(i), prompt, params, cfg.cache_config.block_size, cfg.device))
+        engine.add_request(Request(str(i), prompt, params, cfg.cache_config.block_size))
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(workload))}
     bar = tqdm(total=len(workload), desc=desc, unit="req", disable=not show_progress)
     while engine.has_unfinished_requests():
@@ -93,7 +93,7 @@ def hf_model_for(engine: EngineCore):
         torch.manual_seed(engine.config.seed)
         with torch.device(engine.config.device):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=mc.dtype)
-        load_weights(engine.runner.model, model.state_dict().items(), "HF model")
+        load_weights(engine.executor.model, model.state_dict().items(), "HF model")
     else:
         model = AutoModelForCausalLM.from_pretrained(mc.model, dtype=mc.dtype).to(engine.config.device)
     return model.eval()

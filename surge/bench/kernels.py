@@ -142,9 +142,9 @@ def _attention_batch(requests: list[tuple[int, int]], block_size: int = 16):
     meta = AttentionMetadata(
         num_reqs=len(requests), num_tokens=t, query_start_loc=qsl, seq_lens=seq_lens,
         max_query_len=max(n for _, n in requests), max_seq_len=max(seq_lens),
-        slot_mapping=[torch.cat(slots).cuda()], block_tables=[table.cuda()],
         query_start_loc_t=torch.tensor(qsl, dtype=torch.int32, device="cuda"),
-        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device="cuda"))
+        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device="cuda"),
+        slot_mapping=torch.cat(slots).cuda(), block_table=table.cuda())
     return q, k, v, cache, meta
 
 
@@ -180,12 +180,12 @@ def check_attention(quick: bool) -> None:
     for b in batches:
         for ctx in (128, 1024, 4096):
             q, k, v, cache, meta = _attention_batch([(ctx - 1, 1)] * b)
-            got = triton_backend.forward(q, k, v, cache, meta, 0, None, scale)
-            expected = torch_backend.forward(q, k, v, cache, meta, 0, None, scale)
+            got = triton_backend.forward(q, k, v, cache, meta, None, scale)
+            expected = torch_backend.forward(q, k, v, cache, meta, None, scale)
             launch = kernel.dispatch(decode_only=True, num_seqs=b, num_q_heads=HQ, num_kv_heads=HKV,
                                      head_dim=HEAD_DIM, block_size=16, dtype=DTYPE, sliding=False).launch
             kv_bytes = b * ctx * HKV * HEAD_DIM * 2 * 2
-            report(f"attn decode b={b} ctx={ctx}", bench(lambda: triton_backend.forward(q, k, v, cache, meta, 0, None,
+            report(f"attn decode b={b} ctx={ctx}", bench(lambda: triton_backend.forward(q, k, v, cache, meta, None,
                                                                                       scale)),
                    nbytes=kv_bytes + 2 * q.numel() * 2, err=max_err(got, expected), tol=0.02,
                    extra=f"splits={launch.num_splits}")
@@ -195,15 +195,15 @@ def check_attention(quick: bool) -> None:
              ("mixed 64 decode@1024 + 512@1024", [(1023, 1)] * 64 + [(1024, 512)])]
     for name, requests in cases:
         q, k, v, cache, meta = _attention_batch(requests)
-        got = triton_backend.forward(q, k, v, cache, meta, 0, None, scale)
-        expected = torch_backend.forward(q, k, v, cache, meta, 0, None, scale)
+        got = triton_backend.forward(q, k, v, cache, meta, None, scale)
+        expected = torch_backend.forward(q, k, v, cache, meta, None, scale)
         pairs = sum(sum(min(c + i + 1, c + n) for i in range(n)) for c, n in requests)  # visible (q, k) pairs
-        report(f"attn {name}", bench(lambda: triton_backend.forward(q, k, v, cache, meta, 0, None, scale)),
+        report(f"attn {name}", bench(lambda: triton_backend.forward(q, k, v, cache, meta, None, scale)),
                flops=4 * pairs * HQ * HEAD_DIM, err=max_err(got, expected), tol=0.02)
     q, k, v, cache, meta = _attention_batch([(0, 2048)] * 2)
-    got = triton_backend.forward(q, k, v, cache, meta, 0, 512, scale)
-    expected = torch_backend.forward(q, k, v, cache, meta, 0, 512, scale)
-    report("attn prefill 2x2048 window 512", bench(lambda: triton_backend.forward(q, k, v, cache, meta, 0, 512, scale)),
+    got = triton_backend.forward(q, k, v, cache, meta, 512, scale)
+    expected = torch_backend.forward(q, k, v, cache, meta, 512, scale)
+    report("attn prefill 2x2048 window 512", bench(lambda: triton_backend.forward(q, k, v, cache, meta, 512, scale)),
            err=max_err(got, expected), tol=0.02)
 
 

@@ -75,7 +75,7 @@ def _timed(engine, workload, repeats: int) -> float:
 def run_latency(args: argparse.Namespace) -> None:
     engine = build_engine(args)
     mc, dev = engine.config.model_config, engine.config.device
-    model = engine.runner.model
+    model = engine.executor.model
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = mc.vocab_size * mc.hf_config["hidden_size"]
@@ -143,8 +143,8 @@ def _device_ms(fn, iters: int = 50) -> float:
 
 def _breakdown(engine, workload, tpot: float) -> None:
     """Where a decode step's time goes: the graph's device time, the logits and sampling, and the host."""
-    runner = engine.runner
-    graphs = getattr(runner, "graph_runner", None)
+    runner = getattr(engine.executor, "runner", None)
+    graphs = runner.graph_runner if runner is not None else None
     bs = len(workload)
     if engine.config.device.type != "cuda" or graphs is None or graphs.padded_size(bs) is None:
         print("breakdown: needs CUDA, CUDA graphs and the in-process runner (tensor_parallel_size 1)", flush=True)

@@ -60,11 +60,11 @@ def child_main() -> None:
     prompt, _ = make_workload(1, spec["input_len"], 1, 0.0, mc.vocab_size, 0)[0]
     run_engine(engine, [(prompt, 1)], show_progress=False)
     first_token_at = time.monotonic()
-    runner = engine.runner
-    graphs = getattr(runner, "graph_runner", None)  # the in-process runner's phases (tensor_parallel_size 1)
-    print(_RESULT + json.dumps({"load_seconds": runner.load_seconds, "ready_at": ready_at,
+    runner = getattr(engine.executor, "runner", None)  # the in-process runner's phases (tp == 1) only
+    graphs = runner.graph_runner if runner is not None else None
+    print(_RESULT + json.dumps({"load_seconds": engine.executor.load_seconds, "ready_at": ready_at,
                                 "first_token_at": first_token_at,
-                                "warmup_seconds": getattr(runner, "warmup_seconds", 0.0),
+                                "warmup_seconds": runner.warmup_seconds if runner is not None else 0.0,
                                 "capture_seconds": graphs.capture_seconds if graphs is not None else 0.0}),
           flush=True)
     engine.shutdown()

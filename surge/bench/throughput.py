@@ -42,7 +42,7 @@ def run_throughput(args: argparse.Namespace) -> None:
     mc = engine.config.model_config
     workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, mc.vocab_size,
                              args.workload_seed, args.input_len_max, args.output_len_max)
-    num_params = sum(p.numel() for p in engine.runner.model.parameters())
+    num_params = sum(p.numel() for p in engine.executor.model.parameters())
     in_tokens, out_tokens = sum(len(p) for p, _ in workload), sum(o for _, o in workload)
     print(f"model {mc.model} ({mc.architecture}, {num_params / 1e9:.2f}B params, {mc.dtype}, {engine.config.device}); "
           f"{len(workload)} prompts, {in_tokens} input and {out_tokens} output tokens; "

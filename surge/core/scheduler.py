@@ -5,42 +5,19 @@ prefix-cache hits are one mechanism. When blocks run out, the newest running req
 
 Progress is booked when a step is scheduled: its tokens count as computed, and a token it samples counts as
 pending until its value arrives (update_from_output). So the next step can be scheduled while this one runs.
+A request may carry draft tokens (speculative decoding): it is scheduled for 1 + k tokens, and when only j drafts
+are accepted its computed tokens roll back and the KV blocks past the new end are freed.
+
+The scheduler also remembers what the runner holds of each request, so the step message carries only diffs.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from surge.config import SchedulerConfig
 from surge.core.kv_cache.manager import KVCacheManager
-from surge.engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_computed_tokens: int  # before this step
-    num_new_tokens: int
-    block_ids: tuple[list[int], ...]  # per KV cache group
-    # True when this step reaches the end of the request's tokens (pending ones included), so its last position
-    # yields a new token.
-    samples: bool
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    # Requests finished since the last non-empty step: worker processes drop what they cached for them.
-    finished_ids: list[str] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from surge.core.request import Request, RequestStatus
+from surge.core.scheduler_output import NewRequest, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -52,6 +29,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        # Request id -> how many of its tokens the model runner holds (it holds every request it was sent until
+        # told the request finished); the KV cache manager tracks the block tables' changes likewise.
+        self._runner_tokens: dict[str, int] = {}
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -71,10 +51,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_pending_tokens and self._ends_with_pending(req):
-                i += 1  # its last token is on its way: nothing more to compute
+            if req.num_pending_tokens and (self._ends_with_pending(req) or req.num_spec_in_flight):
+                # Its last token is on its way and ends it, or drafts in flight decide where it resumes.
+                i += 1
                 continue
-            num_new = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            num_spec = self._num_spec_tokens(req)
+            num_new = min(req.num_tokens_with_pending - req.num_computed_tokens + num_spec, budget)
             assert num_new > 0
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
@@ -118,19 +100,42 @@ class Scheduler:
             num_new = scheduled.get(req.request_id)
             if num_new is None:
                 continue
-            samples = req.num_computed_tokens + num_new == req.num_tokens_with_pending
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new,
-                                                  self.kv.get_block_ids(req.request_id), samples))
+            end = req.num_computed_tokens + num_new
+            samples = end >= req.num_tokens_with_pending
+            spec = req.spec_token_ids[:end - req.num_tokens_with_pending] if samples else []
+            out.scheduled.append(self._scheduled_entry(req, num_new, samples, spec, out))
             req.num_computed_tokens += num_new
             req.num_pending_tokens += samples
+            req.num_spec_in_flight = len(spec)
+            req.spec_token_ids = []  # proposed anew after the verdict
         if out.scheduled:  # an empty output is never executed, so it would lose them
             out.finished_ids, self._finished_ids = self._finished_ids, []
         return out
 
+    def _num_spec_tokens(self, req: Request) -> int:
+        """Drafts to verify this step: only after the whole known sequence, and never past max_model_len."""
+        if not req.spec_token_ids or req.num_pending_tokens or req.num_computed_tokens + 1 != req.num_tokens:
+            return 0
+        return max(0, min(len(req.spec_token_ids), self.config.max_model_len - 1 - req.num_tokens))
+
+    def _scheduled_entry(self, req: Request, num_new: int, samples: bool, spec: list[int],
+                         out: SchedulerOutput) -> ScheduledRequest:
+        """The step's entry for req as a diff against what the runner holds (a NewRequest the first time)."""
+        rid = req.request_id
+        known = self._runner_tokens.get(rid)
+        if known is None:
+            out.new_requests.append(NewRequest(rid, req.prompt_token_ids, req.params))
+            known = req.num_prompt_tokens
+        self._runner_tokens[rid] = req.num_tokens
+        starts, block_ids = self.kv.take_block_changes(rid)
+        return ScheduledRequest(rid, req.num_computed_tokens, num_new, samples, req.token_ids[known:], starts,
+                                block_ids, spec)
+
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
+        self.kv.free(req)  # the runner keeps the request (and its RNG); its block table is sent again from 0
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -143,27 +148,39 @@ class Scheduler:
         return req.num_tokens_with_pending >= self.config.max_model_len
 
     def needs_output_history(self) -> bool:
-        """True when a running request's sampling reads its previous tokens (penalties): its next step must wait
-        for the tokens of the one before."""
-        return any(r.params.uses_penalties for r in self.running)
+        """True when a running request's next step depends on the tokens of the one before: its sampling reads them
+        (penalties), or it carries draft tokens (proposed after, and verified against, its last token)."""
+        return any(r.params.uses_penalties or r.spec_token_ids for r in self.running)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append the step's sampled tokens, finish requests that hit a stop condition or a length limit.
-        Returns the requests that received a token this step."""
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
+        """Append each request's new tokens (1 + the accepted drafts), stopping at the first that ends it; roll back
+        the rejected drafts' computed tokens and free the KV blocks past the new end.
+        Returns (request, tokens appended) for every request that received tokens this step."""
         progressed = []
         for s in out.scheduled:
-            req = s.request
+            req = self.requests.get(s.request_id)
+            if req is None:
+                continue  # finished (stopped, aborted) while this step was in flight: its tokens are dropped
             req.num_pending_tokens -= s.samples
-            if req.is_finished:
-                continue  # finished (stopped, aborted) while this step was in flight: its token is dropped
-            token = sampled.get(req.request_id)
-            if token is None:
+            req.num_spec_in_flight -= len(s.spec_token_ids)  # an older chunk's result leaves later drafts in flight
+            tokens = sampled.get(s.request_id)
+            if not tokens:
                 continue  # a prefill chunk that did not reach the end yet
-            req.append_token(token)
-            progressed.append(req)
-            status = self._check_stop(req, token)
-            if status is not None:
-                self.finish_request(req.request_id, status)
+            num_rejected = len(s.spec_token_ids) - (len(tokens) - 1)
+            assert num_rejected >= 0, (s.request_id, s.spec_token_ids, tokens)
+            if num_rejected and req.status == RequestStatus.RUNNING:
+                req.num_computed_tokens -= num_rejected
+                self.kv.trim(req, req.num_computed_tokens)
+            appended = []
+            for token in tokens:
+                req.append_token(token)
+                appended.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self.finish_request(req.request_id, status)
+                    break
+            progressed.append((req, appended))
         return progressed
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
@@ -188,7 +205,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = status
-        self._finished_ids.append(request_id)
+        if self._runner_tokens.pop(request_id, None) is not None:  # the runner holds it: tell it to let go
+            self._finished_ids.append(request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -1,9 +1,11 @@
-"""A child process's tie to its parent: die when the parent goes, however it ends. Worker ranks and weight-cache
-daemons call `die_with_parent` first thing, before anything they start could outlive an engine that is gone.
+"""A process's life around its engine: a child's tie to its parent (die when the parent goes, however it ends:
+worker ranks and weight-cache daemons call `die_with_parent` first thing), and the end of start-up, after which
+the long-lived objects it made are frozen out of the garbage collector's walks.
 """
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -22,3 +24,10 @@ def die_with_parent(parent_pid: int, sig: signal.Signals = signal.SIGKILL) -> No
         libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         raise ParentGone(1)
+
+
+def freeze_startup_objects() -> None:
+    """Move everything start-up made (the model, CUDA graphs, tables: long-lived) out of the garbage collector's
+    view, so a collection while serving walks only what serving allocated."""
+    gc.collect()
+    gc.freeze()

@@ -53,6 +53,16 @@ class TPGroup:
             raise PeerLostError(f"rank {self.rank}: gather failed: {e}") from e
         return torch.cat(chunks, dim=dim) if chunks is not None else None
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """x from rank src into every rank's x, in place (on the device: the host does not wait)."""
+        if self.world_size == 1:
+            return x
+        try:
+            dist.broadcast(x, src=src, group=self.device_group)
+        except RuntimeError as e:
+            raise PeerLostError(f"rank {self.rank}: broadcast failed: {e}") from e
+        return x
+
     def min_int(self, value: int) -> int:
         """The smallest value over the ranks (e.g. KV blocks, so every rank allocates the same number)."""
         if self.world_size == 1:

@@ -32,12 +32,16 @@ class RingHandle(msgspec.Struct, array_like=True):
 
 
 def wait_until(ready: Callable[[], bool], check: Callable[[], None] | None = None,
-               timeout: float | None = None, what: str = "a message") -> None:
-    """Poll `ready` until true; `check` raises to abort (a peer died); TimeoutError after `timeout` seconds."""
+               timeout: float | None = None, what: str = "a message",
+               idle: Callable[[], None] | None = None) -> None:
+    """Poll `ready` until true; `check` raises to abort (a peer died); TimeoutError after `timeout` seconds.
+    `idle`, if given, runs at every poll (a worker hands back a finished result while it waits)."""
     if ready():
         return
     start = last_check = time.monotonic()
     while not ready():
+        if idle is not None:
+            idle()
         now = time.monotonic()
         waited = now - start
         if waited < _SPIN_SECONDS:
@@ -140,22 +144,23 @@ class ShmRing:
         self._index += 1
 
     # ---- reader ----
-    def read(self, check: Callable[[], None] | None = None, timeout: float | None = None) -> bytes:
+    def read(self, check: Callable[[], None] | None = None, timeout: float | None = None,
+             idle: Callable[[], None] | None = None) -> bytes:
         assert self.reader is not None, "the writer does not read"
         parts = []
         while True:
-            chunk, last = self._read_chunk(check, timeout)
+            chunk, last = self._read_chunk(check, timeout, idle)
             parts.append(chunk)
             if last:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _read_chunk(self, check, timeout) -> tuple[bytes, bool]:
+    def _read_chunk(self, check, timeout, idle=None) -> tuple[bytes, bool]:
         h = self.handle
         slot = self._index % h.num_slots
         meta = slot * self._meta_stride
         flag = meta + 1 + self.reader
         buf = self._buf
-        wait_until(lambda: buf[meta] and not buf[flag], check, timeout, "a message from the ring's writer")
+        wait_until(lambda: buf[meta] and not buf[flag], check, timeout, "a message from the ring's writer", idle)
         start = self._data_offset + slot * h.slot_bytes
         length, last = _CHUNK_HEADER.unpack_from(buf, start)
         body = start + _CHUNK_HEADER.size

@@ -10,16 +10,18 @@ import torch
 
 from surge.config import EngineConfig
 from surge.core.kv_cache.manager import KVCacheManager
-from surge.core.scheduler import Scheduler, SchedulerOutput
-from surge.engine.request import Request, RequestStatus
+from surge.core.request import Request, RequestStatus
+from surge.core.scheduler import Scheduler
+from surge.core.scheduler_output import SchedulerOutput
+from surge.distributed.lifecycle import freeze_startup_objects
 from surge.logger import init_logger
-from surge.worker.executor import create_executor
-from surge.worker.model_runner import ModelRunnerOutput, PendingOutput
+from surge.worker.executor import StepHandle, create_executor
+from surge.worker.model_runner import ModelRunnerOutput
 
 logger = init_logger(__name__)
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -45,16 +47,16 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        # A ModelRunner in this process (one rank), or a MultiprocExecutor driving worker ranks: same interface.
-        self.runner = create_executor(config)
-        self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config,
+        # One rank in this process, or worker ranks in their own: the same contract, async scheduling in both.
+        self.executor = create_executor(config)
+        self.kv_cache_manager = KVCacheManager(self.executor.kv_cache_config,
                                                config.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
-        # Tensor-parallel ranks in other processes step synchronously (they need each step's tokens in its message).
-        self.async_scheduling = config.scheduler_config.async_scheduling and hasattr(self.runner, "execute_async")
-        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
-        kvc = self.runner.kv_cache_config
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        kvc = self.executor.kv_cache_config
         self.max_tokens_in_kv = (kvc.num_blocks - 1) * config.cache_config.block_size
+        freeze_startup_objects()
 
     def add_request(self, request: Request) -> None:
         max_len = self.config.scheduler_config.max_model_len
@@ -78,9 +80,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop worker ranks, if any (also done at exit, or when the engine is collected)."""
-        shutdown = getattr(self.runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -110,8 +110,8 @@ class EngineCore:
                 raise RuntimeError("the scheduler could not schedule any waiting request; the KV cache is too small")
             return outputs
         if not overlap:
-            return outputs + self._process(sched_out, self.runner.execute(sched_out))
-        launched = self.runner.execute_async(sched_out)
+            return outputs + self._process(sched_out, self.executor.execute(sched_out))
+        launched = self.executor.execute_async(sched_out)
         if self._in_flight is not None:
             outputs = self._finish_in_flight()
         self._in_flight = (sched_out, launched)
@@ -123,21 +123,24 @@ class EngineCore:
         return self._process(sched_out, launched.result())
 
     def _process(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        progressed = {r.request_id for r in self.scheduler.update_from_output(sched_out, result.sampled)}
+        # Requests still known before the update (a finished one is dropped from the scheduler by it).
+        live = {s.request_id: req for s in sched_out.scheduled
+                if (req := self.scheduler.requests.get(s.request_id)) is not None}
+        progressed = {req.request_id: tokens for req, tokens in self.scheduler.update_from_output(sched_out,
+                                                                                                   result.sampled)}
         outputs = []
-        for s in sched_out.scheduled:
-            req = s.request
-            rid = req.request_id
+        for rid, req in live.items():
             prompt_lp = result.prompt_logprobs.get(rid)
-            if rid not in progressed and prompt_lp is None:
+            tokens = progressed.get(rid)
+            if tokens is None and prompt_lp is None:
                 continue
             lp = result.logprobs.get(rid)
             outputs.append(EngineCoreOutput(
                 request_id=rid,
-                new_token_ids=[req.token_ids[-1]] if rid in progressed else [],
+                new_token_ids=tokens or [],
                 finish_reason=req.status.value if req.is_finished else None,
                 stop_reason=req.stop_reason,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
-                logprobs=[lp] if lp is not None else None,
+                logprobs=lp[:len(tokens)] if lp is not None and tokens else None,
                 prompt_logprobs=prompt_lp))
         return outputs

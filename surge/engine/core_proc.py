@@ -23,7 +23,7 @@ import zmq.asyncio
 from surge.config import EngineConfig
 from surge.engine.messages import (AbortRequests, AddRequest, CoreReady, CoreRequest, EngineCoreOutputs,
                                    RequestFailure, Shutdown, StopRequests, UtilityCall, UtilityResult)
-from surge.engine.request import Request, RequestStatus
+from surge.core.request import Request, RequestStatus
 from surge.logger import init_logger
 from surge.worker.executor import WorkerDiedError
 
@@ -51,7 +51,6 @@ class EngineCoreProc:
         self.output = output_socket
         self.parent_pid = parent_pid
         self.block_size = engine.config.cache_config.block_size
-        self.device = engine.config.device
         self._decoder = msgspec.msgpack.Decoder(CoreRequest)
         self._encoder = msgspec.msgpack.Encoder()
         self._failures: list[RequestFailure] = []
@@ -97,8 +96,7 @@ class EngineCoreProc:
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
             try:
-                self.engine.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.params, self.block_size,
-                                                self.device))
+                self.engine.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.params, self.block_size))
             except ValueError as e:
                 self._failures.append(RequestFailure(msg.request_id, str(e), invalid_request=True))
         elif isinstance(msg, AbortRequests):
@@ -160,7 +158,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     input_socket.connect(input_addr)
     output_socket = ctx.socket(zmq.PUSH)
     output_socket.connect(output_addr)
-    ready_pipe.send_bytes(encoder.encode(CoreReady(num_kv_blocks=engine.runner.kv_cache_config.num_blocks)))
+    ready_pipe.send_bytes(encoder.encode(CoreReady(num_kv_blocks=engine.executor.kv_cache_config.num_blocks)))
     ready_pipe.close()
     try:
         EngineCoreProc(engine, input_socket, output_socket, parent_pid).run()

@@ -14,7 +14,7 @@ from surge.engine.args import EngineArgs
 from surge.engine.core import EngineCore
 from surge.engine.input_processor import InputProcessor, Message, Prompt, load_tokenizer
 from surge.engine.output_processor import OutputProcessor
-from surge.engine.request import Request, RequestStatus
+from surge.core.request import Request, RequestStatus
 from surge.outputs import RequestOutput
 from surge.sampling_params import SamplingParams
 
@@ -94,7 +94,7 @@ class LLM:
         try:
             for child_id, child_params in children:
                 self.engine.add_request(Request(child_id, token_ids, child_params,
-                                                self.config.cache_config.block_size, self.config.device))
+                                                self.config.cache_config.block_size))
                 added.append(child_id)
         except Exception:
             self.engine.abort_requests(added)

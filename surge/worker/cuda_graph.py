@@ -10,6 +10,7 @@ import time
 import torch
 from torch import nn
 
+from surge.attention.backend import AttentionBackend
 from surge.logger import init_logger
 from surge.worker.step_inputs import StepInputs
 
@@ -26,9 +27,11 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    def __init__(self, model: nn.Module, inputs: StepInputs, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, model: nn.Module, inputs: StepInputs, backend: AttentionBackend, max_num_seqs: int,
+                 max_model_len: int) -> None:
         self.model = model
         self.inputs = inputs
+        self.backend = backend
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -38,7 +41,8 @@ class CUDAGraphRunner:
 
     def _meta(self, bs: int):
         # Capacity-shaped metadata: kernels read lengths from the tensors, never from these host values.
-        return self.inputs.metadata(bs, bs, list(range(bs + 1)), [], max_query_len=1, max_seq_len=self.max_model_len)
+        return self.inputs.metadata(self.backend, bs, bs, list(range(bs + 1)), [], max_query_len=1,
+                                    max_seq_len=self.max_model_len, for_capture=True)
 
     @torch.inference_mode()
     def capture(self) -> float:

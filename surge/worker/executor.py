@@ -1,9 +1,11 @@
-"""Executors: run a SchedulerOutput on the model and return what was sampled.
+"""Executors: the one contract EngineCore drives. Each takes a step message (SchedulerOutput), launches it and
+returns a handle whose result() is the step's ModelRunnerOutput; launching never waits for an earlier step, so
+async scheduling means the same for every executor.
 
-One rank: the ModelRunner itself, in the engine's process (no extra process, no serialization). Tensor
-parallelism: a MultiprocExecutor starts one worker process per local rank (NodeLauncher), writes each step into
-a shared-memory ring that every local rank reads, and reads the result that rank 0 writes back. Nodes other than
-0 run `run_headless`: their launcher starts their ranks, whose leader relays node 0's steps.
+One rank: UniProcExecutor wraps a ModelRunner in the engine's process (no extra process, no serialization).
+Tensor parallelism: MultiprocExecutor starts one worker process per local rank (NodeLauncher), writes each step
+into a shared-memory ring that every local rank reads, and reads the results that rank 0 writes back in order.
+Nodes other than 0 run `run_headless`: their launcher starts their ranks, whose leader relays node 0's steps.
 
 The launcher watches its processes: a rank that dies ends the engine with an error naming it; shutdown (also at
 exit, or when the executor is collected) stops every rank.
@@ -20,7 +22,9 @@ import subprocess
 import sys
 import time
 import weakref
+from collections import deque
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 import torch
@@ -28,12 +32,11 @@ import torch
 from surge import envs
 from surge.config import EngineConfig
 from surge.core.kv_cache.spec import KVCacheConfig
-from surge.core.scheduler import SchedulerOutput
+from surge.core.scheduler_output import SchedulerOutput
 from surge.distributed.ranks import global_rank
 from surge.distributed.shm_broadcast import ShmRing
 from surge.logger import init_logger
 from surge.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_groups
-from surge.worker.step_message import StepEncoder, StepResult
 from surge.worker.worker import PEER_LOST_EXIT, WorkerArgs, WorkerReady
 
 logger = init_logger(__name__)
@@ -43,11 +46,55 @@ class WorkerDiedError(RuntimeError):
     """A worker rank exited: the engine cannot continue (every rank holds part of the model)."""
 
 
-def create_executor(config: EngineConfig) -> ModelRunner | MultiprocExecutor:
-    """Both answer `execute(scheduler_output)` and `kv_cache_config`."""
+class StepHandle(Protocol):
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step and return what it produced."""
+
+
+class Executor(Protocol):
+    kv_cache_config: KVCacheConfig  # the block count every rank agreed on
+    load_seconds: float  # the slowest rank's weight load
+
+    def execute_async(self, out: SchedulerOutput) -> StepHandle:
+        """Launch a step; returns at once. Steps complete in the order they were launched."""
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run a step and wait for its result."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model (on the meta device when the weights live in other processes), for reports."""
+
+    def shutdown(self) -> None:
+        """Stop whatever the executor started (idempotent)."""
+
+
+def create_executor(config: EngineConfig) -> Executor:
     if config.parallel_config.in_process:
-        return ModelRunner(config)
+        return UniProcExecutor(config)
     return MultiprocExecutor(config)
+
+
+class UniProcExecutor:
+    """One rank in the engine's own process: the runner's pending output is the step handle."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.runner = ModelRunner(config)
+        self.kv_cache_config = self.runner.kv_cache_config
+        self.load_seconds = self.runner.load_seconds
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    def execute_async(self, out: SchedulerOutput) -> StepHandle:
+        return self.runner.execute_async(out)
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(out).result()
+
+    def shutdown(self) -> None:
+        pass
 
 
 def _free_port() -> int:
@@ -202,8 +249,23 @@ class NodeLauncher:
                 ring.close()
 
 
+class _RemoteStep:
+    """A step sent to the ranks; its result is the next one rank 0 writes that no earlier step took."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self._executor = executor
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        ex = self._executor
+        while self._output is None:
+            ex._read_next_result()
+        return self._output
+
+
 class MultiprocExecutor:
-    """Node 0's view of a tensor-parallel engine: steps go out through shared memory, results come from rank 0."""
+    """Node 0's view of a tensor-parallel engine: steps go out through shared memory, results come from rank 0,
+    one per step, in order. Launching a step never waits for the one before."""
 
     def __init__(self, config: EngineConfig) -> None:
         pc = config.parallel_config
@@ -212,32 +274,34 @@ class MultiprocExecutor:
         self.config = config
         self.launcher = NodeLauncher(config)
         self.kv_cache_config = KVCacheConfig(kv_cache_groups(config), self.launcher.num_blocks)
-        self._encoder = StepEncoder()
-        self._decoder = msgspec.msgpack.Decoder(StepResult)
-        self._result_pending = False  # a step went out whose result was not read (an interrupted wait)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+        # Steps sent whose results were not read yet, oldest first (an abandoned handle's result is still read,
+        # so the next one lines up).
+        self._unread: deque[_RemoteStep] = deque()
         self._finalizer = weakref.finalize(self, _stop, self.launcher, self._encoder)
         self._model: torch.nn.Module | None = None
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_async(self, out: SchedulerOutput) -> _RemoteStep:
         launcher = self.launcher
         launcher.check()
-        timeout = envs.SURGE_RANK_TIMEOUT
-        if self._result_pending:
-            launcher.result_ring.read(check=launcher.check, timeout=timeout)
-            self._result_pending = False
-        launcher.step_ring.write(self._encoder.encode(out), check=launcher.check, timeout=timeout)
-        self._result_pending = True
-        data = self._read_result(timeout)
-        self._result_pending = False
-        return self._decoder.decode(data).to_output()
+        launcher.step_ring.write(self._encoder.encode(out), check=launcher.check, timeout=envs.SURGE_RANK_TIMEOUT)
+        step = _RemoteStep(self)
+        self._unread.append(step)
+        return step
 
-    def _read_result(self, timeout: float) -> bytes:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(out).result()
+
+    def _read_next_result(self) -> None:
+        timeout = envs.SURGE_RANK_TIMEOUT
         try:
-            return self.launcher.result_ring.read(check=self.launcher.check, timeout=timeout)
+            data = self.launcher.result_ring.read(check=self.launcher.check, timeout=timeout)
         except TimeoutError:
             self.launcher.fail(f"rank 0 did not answer a step within {timeout:.0f} s (SURGE_RANK_TIMEOUT); a rank "
                                 "is hung, or one on another node died")
             raise
+        self._unread.popleft()._output = self._decoder.decode(data)
 
     @property
     def load_seconds(self) -> float:
@@ -249,7 +313,7 @@ class MultiprocExecutor:
         """The whole model on the meta device: shapes and parameter counts for reports; the weights live in the
         workers."""
         if self._model is None:
-            from surge.model.loader.safetensors_loader import build_model
+            from surge.model.loader.base import build_model
             self._model = build_model(self.config.model_config, torch.device("meta"))
         return self._model
 
@@ -257,11 +321,12 @@ class MultiprocExecutor:
         self._finalizer()
 
 
-def _stop(launcher: NodeLauncher, encoder: StepEncoder) -> None:
+def _stop(launcher: NodeLauncher, encoder: msgspec.msgpack.Encoder) -> None:
     """Ask the ranks to stop through the ring (they relay it to other nodes), then make sure they did."""
     if launcher._failure is None and not launcher._closed:
         try:
-            launcher.step_ring.write(encoder.encode_shutdown(), check=launcher.check, timeout=2.0)
+            launcher.step_ring.write(encoder.encode(SchedulerOutput(shutdown=True)), check=launcher.check,
+                                     timeout=2.0)
         except Exception:  # full, or a rank is gone: the launcher terminates them instead
             pass
     launcher.shutdown()

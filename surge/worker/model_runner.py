@@ -1,44 +1,50 @@
-"""ModelRunner: owns the model (or this rank's shard of it) and its KV cache on one device; turns a
-SchedulerOutput into input tensors, attention metadata and logits, and samples.
+"""ModelRunner: owns the model (or this rank's shard of it), its KV cache and its own per-request state on one
+device; runs one step in named parts: prepare inputs, forward, prompt logprobs, sample.
 
 KV memory is sized from a budget: `kv_cache_memory` bytes, or a fraction of the memory free after the weights.
-With tensor parallelism every rank runs the same steps; the ranks agree on one block count, and only rank 0
-receives logits and samples.
+With tensor parallelism every rank runs the same steps from the same message; the ranks agree on one block count,
+rank 0 receives the logits and samples, and broadcasts the sampled tokens so every rank can feed them to the next
+step on the device (async scheduling).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
-from surge.attention.backend import default_backend_name, get_backend
+from surge.attention.backend import AttentionMetadata, AttentionShapes, default_backend_name, get_backend
 from surge.config import EngineConfig
 from surge.core.kv_cache.spec import KVCacheConfig, KVCacheGroup, build_kv_cache_groups
-from surge.core.scheduler import SchedulerOutput
+from surge.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from surge.distributed.parallel_state import get_tp_group
 from surge.logger import init_logger
 from surge.model.layers.linear import num_kv_heads_per_rank
 from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs, device_tensor
-from surge.model.loader.safetensors_loader import load_model
+from surge.model.loader.base import load_model
 from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
+from surge.worker.request_state import CachedRequestState, RequestStates
 from surge.worker.step_inputs import StepInputs
 import surge.attention.torch_backend  # noqa: F401,I001  (registers the backends)
 import surge.attention.triton_backend  # noqa: F401,I001
+import surge.weight_cache.ipc_loader  # noqa: F401,I001  (registers the weight_cache loader)
 
 logger = init_logger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30  # the CPU shares memory with everything else: a modest default
 
+TokenLogprobs = tuple[list[int], list[float], int]  # (token ids, logprobs, rank of the sampled one); ids[0] sampled
+# (first prompt position covered, ids [m, 1+N], logprobs [m, 1+N], ranks [m]); row j scores prompt token
+# (first + j + 1) given the tokens before it.
+PromptLogprobs = tuple[int, list[list[int]], list[list[float]], list[int]]
 
-@dataclass
-class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    # request id -> (token ids, logprobs, rank of the sampled token); column 0 is the sampled token.
-    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
-    # request id -> (first prompt position covered, ids [m, 1+N], logprobs [m, 1+N], ranks [m]); row j scores
-    # prompt token (first + j + 1) given the tokens before it.
-    prompt_logprobs: dict[str, tuple[int, list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One step's result, the same from every executor (it crosses from rank 0 as it is)."""
+    sampled: dict[str, list[int]] = {}  # request id -> new tokens (1 + accepted drafts)
+    logprobs: dict[str, list[TokenLogprobs]] = {}  # request id -> one entry per new token
+    prompt_logprobs: dict[str, PromptLogprobs] = {}
 
 
 def available_memory(device: torch.device) -> int:
@@ -60,6 +66,18 @@ def kv_cache_groups(config: EngineConfig, rank: int = 0) -> tuple[KVCacheGroup, 
     return build_kv_cache_groups(mc.layer_types, mc.sliding_window, cc.block_size, kv_heads, mc.head_dim, mc.dtype)
 
 
+@dataclass
+class StepBatch:
+    """A step's inputs once prepared: what forward, prompt logprobs and sampling read."""
+    scheduled: list[ScheduledRequest]
+    states: list[CachedRequestState]
+    num_tokens: int
+    num_reqs: int
+    meta: list[AttentionMetadata]  # one per KV cache group
+    sample_idx: list[int]  # token index of each sampling request's last position, in step order
+    sample_states: list[CachedRequestState]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -70,47 +88,49 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         logger.info("loaded %s (%s, %s) in %.2f s", mc.architecture, mc.dtype, self.device, self.load_seconds)
         self.sampler = Sampler()
-        # The last step's sampled tokens, still on the device, and each request's row in them.
+        # The last step's sampled tokens, still on the device (on every rank), and each request's row in them.
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
-        self.samples = get_tp_group().rank == 0  # the rank that receives logits
+        self.tp = get_tp_group()
+        self.samples = self.tp.rank == 0  # the rank that receives logits
         self.backend = get_backend(default_backend_name(self.device))
         self.kv_cache_config = self._size_kv_cache()
         self._allocate_kv_cache()
+        self.requests = RequestStates(len(self.kv_cache_config.groups), self.device)
         cc, sc = config.cache_config, config.scheduler_config
         self.inputs = StepInputs(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs,
                                  -(-mc.max_model_len // cc.block_size), len(self.kv_cache_config.groups),
                                  cc.block_size, self.device)
         self.warmup_seconds = self._warm_up_kernels()
         self.graph_runner: CUDAGraphRunner | None = None
-        if not config.enforce_eager:
-            self.graph_runner = CUDAGraphRunner(self.model, self.inputs, sc.max_num_seqs, mc.max_model_len)
+        if not config.enforce_eager and self.backend.supports_cuda_graphs:
+            self.graph_runner = CUDAGraphRunner(self.model, self.inputs, self.backend, sc.max_num_seqs,
+                                                mc.max_model_len)
             self.graph_runner.capture()
 
+    # ---- start-up ----
     def _warm_up_kernels(self) -> float:
-        """Compile every attention variant the runtime will dispatch (each decode capture size and the mixed
-        launch, per attention kind) before serving, so no request or graph capture waits for the compiler."""
-        if not hasattr(self.backend, "kernel") or self.device.type != "cuda":
-            return 0.0
+        """Compile every kernel variant the runtime will dispatch before serving, so no request or graph capture
+        waits for the compiler."""
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
-        kernel = self.backend.kernel(self.device)
         attn = self.model.attention_layers()[0]
+        shapes = AttentionShapes(attn.num_heads, attn.num_kv_heads, mc.head_dim, cc.block_size, mc.dtype,
+                                 tuple(sorted({t == "sliding_attention" for t in mc.layer_types})))
         sizes = capture_sizes(sc.max_num_seqs) if not self.config.enforce_eager else []
-        keys = [kernel.dispatch(decode_only=decode, num_seqs=n, num_q_heads=attn.num_heads,
-                                num_kv_heads=attn.num_kv_heads, head_dim=mc.head_dim, block_size=cc.block_size,
-                                dtype=mc.dtype, sliding=sliding)
-                for sliding in {t == "sliding_attention" for t in mc.layer_types}
-                for decode, n in [(False, sc.max_num_seqs)] + [(True, n) for n in sizes]]
         start = time.perf_counter()
-        compiled = kernel.compile_many(keys, max_workers=self.config.warmup_workers)
+        compiled = self.backend.warm_up(self.device, shapes, sizes, sc.max_num_seqs, self.config.warmup_workers)
         seconds = time.perf_counter() - start
-        logger.info("kernel warm-up: %d attention variant(s) compiled in %.2f s with up to %d worker(s)", compiled,
-                    seconds, self.config.warmup_workers)
+        if compiled:
+            logger.info("kernel warm-up: %d attention variant(s) compiled in %.2f s with up to %d worker(s)",
+                        compiled, seconds, self.config.warmup_workers)
+        if self.samples:  # the rank that samples: the top-k/top-p kernel for the model's dtype and float32
+            seconds += self.sampler.warm_up(self.device, sc.max_num_seqs, mc.vocab_size, mc.dtype,
+                                            max_workers=self.config.warmup_workers)
         return seconds
 
     def _size_kv_cache(self) -> KVCacheConfig:
         mc, cc = self.config.model_config, self.config.cache_config
-        groups = kv_cache_groups(self.config, get_tp_group().rank)
+        groups = kv_cache_groups(self.config, self.tp.rank)
         probe = KVCacheConfig(groups, num_blocks=2)
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
@@ -122,7 +142,7 @@ class ModelRunner:
                 if self.device.type == "cpu":  # the node's ranks share its RAM
                     budget = min(budget, _CPU_DEFAULT_KV_BYTES) // self.config.parallel_config.local_world_size
             num_blocks = budget // probe.bytes_per_block + 1  # + the null block
-            num_blocks = get_tp_group().min_int(num_blocks)  # free memory differs a little from rank to rank
+            num_blocks = self.tp.min_int(num_blocks)  # free memory differs a little from rank to rank
         capacity = (num_blocks - 1) * cc.block_size
         if capacity < mc.max_model_len:
             raise ValueError(
@@ -134,17 +154,19 @@ class ModelRunner:
         return KVCacheConfig(groups, num_blocks)
 
     def _allocate_kv_cache(self) -> None:
+        """One tensor per layer, in the layout its backend asks for."""
         mc, kvc = self.config.model_config, self.kv_cache_config
         self.kv_caches: list[torch.Tensor] = []
         for layer_id, attn in enumerate(self.model.attention_layers()):
             group = kvc.group_of_layer(layer_id)
             spec = group.spec
+            shape = self.backend.kv_cache_shape(kvc.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
             # Zeroed: attention backends may read (masked) slots nobody wrote; NaN garbage there would leak through.
-            cache = torch.zeros(2, kvc.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
-                                dtype=mc.dtype, device=self.device)
+            cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
             attn.kv_cache, attn.group_id, attn.backend = cache, group.group_id, self.backend
             self.kv_caches.append(cache)
 
+    # ---- one step ----
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_async(out).result()
 
@@ -152,65 +174,95 @@ class ModelRunner:
     def execute_async(self, out: SchedulerOutput) -> PendingOutput:
         """Launch the step on the device and return without waiting for it. Its sampled tokens stay on the device
         too, where the next step reads any token it needs before the host has it."""
+        states = self.requests.apply(out)
         pending = PendingOutput()
         if out.is_empty:
             return pending
-        num_tokens, num_reqs, query_start_loc, seq_lens = self.inputs.fill(out, self._last_sampled, self._last_rows)
-        max_query_len = max(s.num_new_tokens for s in out.scheduled)
-        meta = self.inputs.metadata(num_tokens, num_reqs, query_start_loc, seq_lens, max_query_len, max(seq_lens))
-        if self.graph_runner is not None and max_query_len == 1 and self.graph_runner.padded_size(num_reqs):
-            hidden = self.graph_runner.replay(num_reqs)
-        else:
-            hidden = self.model(self.inputs.input_ids[:num_tokens], self.inputs.positions[:num_tokens], meta)
-
-        # Rows that need logits: the last position of each sampling request, then prompt-logprob positions.
-        sample_idx, rows, sample_ids, num_logprobs = [], [], [], []
-        for i, s in enumerate(out.scheduled):
-            req = s.request
-            start = meta.query_start_loc[i]
-            if s.samples:
-                sample_idx.append(meta.query_start_loc[i + 1] - 1)
-            if s.samples and self.samples:
-                p = req.params
-                # Tokens generated before this one: the sampled token sits at position computed + new.
-                num_generated = s.num_computed_tokens + s.num_new_tokens - req.num_prompt_tokens
-                history = p.uses_penalties
-                if history and num_generated != req.num_output_tokens:
-                    raise RuntimeError(f"request {req.request_id!r} uses penalties, which need every earlier token "
-                                       "on the host; the engine must not schedule it ahead of them")
-                rows.append(SamplingRow(p, req.prompt_token_ids, req.output_token_ids if history else [],
-                                        req.generator, num_generated))
-                sample_ids.append(req.request_id)
-                num_logprobs.append(p.logprobs)
-            if req.params.prompt_logprobs is not None:
-                lo = max(s.num_computed_tokens, req.num_prompt_logprobs_done)
-                hi = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
-                if hi > lo:
-                    idx = [start + p - s.num_computed_tokens for p in range(lo, hi)]
-                    logits = self.model.compute_logits(hidden[device_tensor(idx, self.device, torch.long)])
-                    if logits is not None:
-                        targets = device_tensor(req.prompt_token_ids[lo + 1:hi + 1], self.device, torch.long)
-                        ids, lps, ranks = compute_token_logprobs(logits.float(), targets, req.params.prompt_logprobs)
-                        pending.prompt_logprobs.append((req.request_id, lo, _to_host(ids), _to_host(lps),
-                                                        _to_host(ranks)))
-                    req.num_prompt_logprobs_done = hi
-        if sample_idx:
-            rows_hidden = hidden if len(sample_idx) == hidden.shape[0] else \
-                hidden[device_tensor(sample_idx, self.device, torch.long)]  # decode-only: every row samples, in order
-            logits = self.model.compute_logits(rows_hidden)  # None on ranks other than 0
-            if logits is not None:
-                sampler_out = self.sampler(logits, rows)
-                self._last_sampled = sampler_out.sampled_token_ids
-                self._last_rows = {rid: j for j, rid in enumerate(sample_ids)}
-                pending.sample_ids, pending.num_logprobs = sample_ids, num_logprobs
-                pending.sampled = _to_host(sampler_out.sampled_token_ids)
-                if sampler_out.logprobs is not None:
-                    pending.logprobs = (_to_host(sampler_out.logprob_token_ids), _to_host(sampler_out.logprobs),
-                                        _to_host(sampler_out.sampled_token_ranks))
+        batch = self.prepare_inputs(out.scheduled, states)
+        hidden = self.forward(batch)
+        self.compute_prompt_logprobs(batch, hidden, pending)
+        self.sample(batch, hidden, pending)
         if self.device.type == "cuda":
             pending.done = torch.cuda.Event()
             pending.done.record()
         return pending
+
+    def prepare_inputs(self, scheduled: list[ScheduledRequest], states: list[CachedRequestState]) -> StepBatch:
+        """Token ids, positions, slot mappings and block tables into the persistent buffers; metadata per group."""
+        for s in scheduled:
+            if s.spec_token_ids:
+                raise NotImplementedError(f"request {s.request_id!r} carries draft tokens; verifying them needs a "
+                                          "rejection sampler (speculative decoding), which this runner lacks")
+        num_tokens, num_reqs, query_start_loc, seq_lens = self.inputs.fill(scheduled, states, self._last_sampled,
+                                                                           self._last_rows)
+        max_query_len = max(s.num_new_tokens for s in scheduled)
+        meta = self.inputs.metadata(self.backend, num_tokens, num_reqs, query_start_loc, seq_lens, max_query_len,
+                                    max(seq_lens))
+        sample_idx = [query_start_loc[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples]
+        sample_states = [state for s, state in zip(scheduled, states) if s.samples]
+        return StepBatch(scheduled, states, num_tokens, num_reqs, meta, sample_idx, sample_states)
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Final hidden states of every scheduled token: a captured graph for decode-only batches it covers."""
+        graphs = self.graph_runner
+        if graphs is not None and batch.meta[0].decode_only and graphs.padded_size(batch.num_reqs):
+            return graphs.replay(batch.num_reqs)
+        n = batch.num_tokens
+        return self.model(self.inputs.input_ids[:n], self.inputs.positions[:n], batch.meta)
+
+    def compute_prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor, pending: PendingOutput) -> None:
+        """Logprobs of the prompt tokens this step computes, for requests that ask (each position once)."""
+        qsl = batch.meta[0].query_start_loc if batch.meta else []
+        for i, (s, req) in enumerate(zip(batch.scheduled, batch.states)):
+            if req.params.prompt_logprobs is None:
+                continue
+            lo = max(s.num_computed_tokens, req.num_prompt_logprobs_done)
+            hi = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if hi <= lo:
+                continue
+            idx = [qsl[i] + p - s.num_computed_tokens for p in range(lo, hi)]
+            logits = self.model.compute_logits(hidden[device_tensor(idx, self.device, torch.long)])
+            if logits is not None:
+                targets = device_tensor(req.prompt_token_ids[lo + 1:hi + 1], self.device, torch.long)
+                ids, lps, ranks = compute_token_logprobs(logits.float(), targets, req.params.prompt_logprobs)
+                pending.prompt_logprobs.append((req.request_id, lo, _to_host(ids), _to_host(lps), _to_host(ranks)))
+            req.num_prompt_logprobs_done = hi
+
+    def sample(self, batch: StepBatch, hidden: torch.Tensor, pending: PendingOutput) -> None:
+        """One token per sampling request: logits of their last positions, the sampler on rank 0, then the tokens
+        broadcast to every rank (on the device), where the next step's inputs take them from."""
+        if not batch.sample_idx:
+            return
+        idx = batch.sample_idx
+        # Decode-only: every row samples, in order.
+        rows_hidden = hidden if len(idx) == hidden.shape[0] else hidden[device_tensor(idx, self.device, torch.long)]
+        logits = self.model.compute_logits(rows_hidden)  # None on ranks other than 0
+        sample_ids = [req.request_id for req in batch.sample_states]
+        if logits is not None:
+            sampler_out = self.sampler(logits, [self._sampling_row(s, req) for s, req in
+                                                zip(batch.scheduled, batch.states) if s.samples])
+            sampled = sampler_out.sampled_token_ids
+            pending.sample_ids = sample_ids
+            pending.num_logprobs = [req.params.logprobs for req in batch.sample_states]
+            pending.sampled = _to_host(sampled)
+            if sampler_out.logprobs is not None:
+                pending.logprobs = (_to_host(sampler_out.logprob_token_ids), _to_host(sampler_out.logprobs),
+                                    _to_host(sampler_out.sampled_token_ranks))
+        else:
+            sampled = torch.empty(len(idx), dtype=torch.int64, device=self.device)
+        self._last_sampled = self.tp.broadcast(sampled)
+        self._last_rows = {rid: j for j, rid in enumerate(sample_ids)}
+
+    def _sampling_row(self, s: ScheduledRequest, req: CachedRequestState) -> SamplingRow:
+        p = req.params
+        # Tokens generated before this one: the sampled token sits at position computed + new.
+        num_generated = s.num_computed_tokens + s.num_new_tokens - req.num_prompt_tokens
+        history = p.uses_penalties
+        if history and num_generated != req.num_output_tokens:
+            raise RuntimeError(f"request {req.request_id!r} uses penalties, which need every earlier token on the "
+                               "host; the engine must not schedule it ahead of them")
+        return SamplingRow(p, req.prompt_token_ids, req.output_token_ids if history else [], req.generator,
+                           num_generated)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -232,17 +284,21 @@ class PendingOutput:
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     prompt_logprobs: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
+    def ready(self) -> bool:
+        """True once result() would not wait."""
+        return self.done is None or self.done.query()
+
     def result(self) -> ModelRunnerOutput:
         if self.done is not None:
             self.done.synchronize()
         result = ModelRunnerOutput()
         if self.sampled is not None:
-            result.sampled = dict(zip(self.sample_ids, self.sampled.tolist()))
+            result.sampled = {rid: [token] for rid, token in zip(self.sample_ids, self.sampled.tolist())}
         if self.logprobs is not None:
             ids, lps, ranks = (t.tolist() for t in self.logprobs)
             for j, (rid, num) in enumerate(zip(self.sample_ids, self.num_logprobs)):
                 if num is not None:
-                    result.logprobs[rid] = (ids[j][:1 + num], lps[j][:1 + num], ranks[j])
+                    result.logprobs[rid] = [(ids[j][:1 + num], lps[j][:1 + num], ranks[j])]
         for rid, first, ids, lps, ranks in self.prompt_logprobs:
             result.prompt_logprobs[rid] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
         return result

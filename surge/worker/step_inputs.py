@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from surge.attention.backend import AttentionMetadata
-from surge.core.scheduler import SchedulerOutput
+from surge.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
+from surge.core.scheduler_output import ScheduledRequest
+from surge.worker.request_state import CachedRequestState
 
 
 class StepInputs:
@@ -28,16 +29,16 @@ class StepInputs:
         self._staging_dev: torch.Tensor | None = None
         self._arange = torch.arange(max_reqs + 1, dtype=torch.int32, device=device)
 
-    def fill(self, out: SchedulerOutput, last_sampled: torch.Tensor | None = None,
+    def fill(self, scheduled: list[ScheduledRequest], states: list[CachedRequestState],
+             last_sampled: torch.Tensor | None = None,
              last_rows: dict[str, int] | None = None) -> tuple[int, int, list[int], list[int]]:
         """Copy a step's inputs into the buffers; returns (num_tokens, num_reqs, query_start_loc, seq_lens).
 
         Everything is packed into one int64 host array and crosses to the device in a single copy, then is
         scattered into the typed buffers by device-side copies: per-step host work stays small at batch 1.
         A token still pending (sampled by the step before, not on the host yet) is taken on the device from
-        last_sampled[last_rows[request id]]."""
+        last_sampled[last_rows[request id]]; draft tokens follow the known ones."""
         block_size = self.block_size
-        scheduled = out.scheduled
         num_reqs = len(scheduled)
         num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
@@ -47,20 +48,20 @@ class StepInputs:
         num_tokens = int(query_start_loc[-1])
         pending_dst, pending_src = [], []  # token index in this step, row of last_sampled
         token_list: list[int] = []
-        for i, s in enumerate(scheduled):
-            known = s.request.token_ids
+        for i, (s, state) in enumerate(zip(scheduled, states)):
+            known = state.token_ids + s.spec_token_ids if s.spec_token_ids else state.token_ids
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             if end <= len(known):
                 token_list.extend(known[start:end])
                 continue
             # Only the one token after the known ones can be pending, and only a decode row asks for it.
-            if end != len(known) + 1 or last_rows is None or s.request.request_id not in last_rows:
-                raise RuntimeError(f"request {s.request.request_id!r}: tokens [{start}, {end}) are scheduled but "
+            if end != len(known) + 1 or last_rows is None or s.request_id not in last_rows:
+                raise RuntimeError(f"request {s.request_id!r}: tokens [{start}, {end}) are scheduled but "
                                    f"only {len(known)} are known and the previous step sampled none for it")
             token_list.extend(known[start:end - 1])
             token_list.append(0)
             pending_dst.append(int(query_start_loc[i + 1]) - 1)
-            pending_src.append(last_rows[s.request.request_id])
+            pending_src.append(last_rows[s.request_id])
         token_ids = np.asarray(token_list, dtype=np.int64)
         if num_tokens == num_reqs:  # decode-only: one token each
             positions = starts
@@ -71,7 +72,7 @@ class StepInputs:
         parts = [token_ids, positions, seq_lens, query_start_loc]
         widths = []
         for g in range(len(self.slot_mapping)):
-            rows = [s.block_ids[g] for s in scheduled]
+            rows = [state.block_ids[g] for state in states]
             width = max(len(r) for r in rows)
             table = np.zeros((num_reqs, width), dtype=np.int64)
             for i, r in enumerate(rows):
@@ -126,14 +127,17 @@ class StepInputs:
         self.seq_lens[num_reqs:padded].fill_(1)
         self.query_start_loc[num_reqs + 1:padded + 1].copy_(self._arange[num_reqs + 1:padded + 1])
 
-    def metadata(self, num_tokens: int, num_reqs: int, query_start_loc: list[int], seq_lens: list[int],
-                 max_query_len: int, max_seq_len: int) -> AttentionMetadata:
+    def metadata(self, backend: AttentionBackend, num_tokens: int, num_reqs: int, query_start_loc: list[int],
+                 seq_lens: list[int], max_query_len: int, max_seq_len: int,
+                 for_capture: bool = False) -> list[AttentionMetadata]:
+        """One metadata per KV cache group, built by the backend over views of these buffers."""
         width = self.block_tables[0].shape[1]
         if seq_lens:
             width = min(width, -(-max(seq_lens) // self.block_size))
-        return AttentionMetadata(
+        common = CommonAttentionMetadata(
             num_reqs=num_reqs, num_tokens=num_tokens, query_start_loc=query_start_loc, seq_lens=seq_lens,
             max_query_len=max_query_len, max_seq_len=max_seq_len,
-            slot_mapping=[s[:num_tokens] for s in self.slot_mapping],
-            block_tables=[t[:num_reqs, :width] for t in self.block_tables],
             query_start_loc_t=self.query_start_loc[:num_reqs + 1], seq_lens_t=self.seq_lens[:num_reqs])
+        build = backend.build_for_graph_capture if for_capture else backend.build_metadata
+        return [build(common, slots[:num_tokens], table[:num_reqs, :width])
+                for slots, table in zip(self.slot_mapping, self.block_tables)]

@@ -2,12 +2,13 @@
 runs every step it receives until told to stop. Started by worker/executor.py, which runs `main()`.
 
 Steps arrive through the node's shared-memory ring; the leader of a node other than 0 receives them from global
-rank 0 over torch.distributed and writes that ring for its node. Rank 0 writes each step's result back. A worker
-dies with its parent (PR_SET_PDEATHSIG) and ignores Ctrl-C, which its parent handles.
+rank 0 over torch.distributed and writes that ring for its node. Rank 0 writes each step's result back as soon
+as the device has finished it, and never later than when it has launched the next step: so a driver that waits
+gets its result, and one that schedules ahead finds the device busy. A worker dies with its parent
+(PR_SET_PDEATHSIG) and ignores Ctrl-C, which its parent handles.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import pickle
@@ -20,14 +21,14 @@ import msgspec
 import torch
 
 from surge.config import EngineConfig
+from surge.core.scheduler_output import SchedulerOutput
+from surge.distributed.lifecycle import ParentGone, die_with_parent, freeze_startup_objects
 from surge.distributed.parallel_state import PeerLostError, destroy_distributed, init_distributed, relay_bytes
 from surge.distributed.shm_broadcast import RingHandle, ShmRing
-from surge.worker.model_runner import ModelRunner
-from surge.worker.step_message import RequestCache, StepResult
+from surge.worker.model_runner import ModelRunner, PendingOutput
 
 # Exit code of a rank whose collective failed because another rank went away: the other rank is the culprit.
 PEER_LOST_EXIT = 3
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -49,19 +50,6 @@ class WorkerReady(msgspec.Struct, array_like=True):
     load_seconds: float = 0.0  # the rank's weight load (from disk or the weight cache)
 
 
-class ParentGone(SystemExit):
-    pass
-
-
-def die_with_parent(parent_pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
-    """Linux: the kernel sends `sig` to this process when its parent exits, however the parent ends."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before the line above took effect
-        raise ParentGone(1)
-
-
 class Worker:
     def __init__(self, args: WorkerArgs) -> None:
         self.args = args
@@ -79,7 +67,8 @@ class Worker:
         torch.manual_seed(config.seed)  # as EngineCore does: unseeded sampling matches one rank's
         self.relays_to_nodes = args.rank == 0 and pc.nnodes > 1
         self.runner = ModelRunner(config)
-        self.cache = RequestCache(device)
+        self._decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+        self._unsent: PendingOutput | None = None  # rank 0: a launched step whose result is not written yet
         self.step_ring = ShmRing.attach(args.step_ring, args.step_reader) if args.step_ring else None
         self.relay_ring = ShmRing.attach(args.relay_ring, None) if args.relay_ring else None
         self.result_ring = ShmRing.attach(args.result_ring, None) if args.result_ring else None
@@ -91,7 +80,7 @@ class Worker:
 
     def next_step(self) -> bytes:
         if self.step_ring is not None:
-            data = self.step_ring.read(check=self.check_parent)
+            data = self.step_ring.read(check=self.check_parent, idle=self._send_if_ready)
             if self.relays_to_nodes:
                 relay_bytes(data)
             return data
@@ -102,12 +91,23 @@ class Worker:
 
     def run(self) -> None:
         while True:
-            msg = self.cache.decode(self.next_step())
+            msg = self._decoder.decode(self.next_step())
             if msg.shutdown:
                 return
-            out = self.runner.execute(self.cache.apply(msg))
+            launched = self.runner.execute_async(msg)
             if self.result_ring is not None:
-                self.result_ring.write(self._encoder.encode(StepResult.from_output(out)), check=self.check_parent)
+                self._send()  # the step before: it ran while this one was prepared
+                self._unsent = launched
+                self._send_if_ready()
+
+    def _send(self) -> None:
+        if self._unsent is not None:
+            out, self._unsent = self._unsent.result(), None
+            self.result_ring.write(self._encoder.encode(out), check=self.check_parent)
+
+    def _send_if_ready(self) -> None:
+        if self._unsent is not None and self._unsent.ready():
+            self._send()
 
 
 def main() -> int:
@@ -126,6 +126,7 @@ def main() -> int:
     os.write(args.ready_fd, encoder.encode(WorkerReady(num_blocks=worker.runner.kv_cache_config.num_blocks,
                                                        load_seconds=worker.runner.load_seconds)))
     os.close(args.ready_fd)
+    freeze_startup_objects()
     try:
         worker.run()
     except PeerLostError as e:

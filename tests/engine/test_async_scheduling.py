@@ -83,9 +83,9 @@ def test_no_step_is_wasted_at_max_tokens(model_dir):
     """A request whose pending token reaches max_tokens is not scheduled again: 1 prefill + 7 decodes for 8."""
     engine = LLM(model_dir, block_size=4, kv_cache_memory=1 << 22, max_model_len=64, async_scheduling=True).engine
     launched = []
-    inner = engine.runner.execute_async
-    engine.runner.execute_async = lambda out: launched.append(len(out.scheduled)) or inner(out)
-    from surge.engine.request import Request
+    inner = engine.executor.execute_async
+    engine.executor.execute_async = lambda out: launched.append(len(out.scheduled)) or inner(out)
+    from surge.core.request import Request
     engine.add_request(Request("a", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), 4))
     tokens, steps = [], 0
     while engine.has_unfinished_requests() and steps < 50:
@@ -96,7 +96,7 @@ def test_no_step_is_wasted_at_max_tokens(model_dir):
 
 
 def test_abort_with_a_step_in_flight(model_dir):
-    from surge.engine.request import Request
+    from surge.core.request import Request
 
     llm = LLM(model_dir, block_size=4, kv_cache_memory=1 << 22, max_model_len=64, async_scheduling=True)
     engine: EngineCore = llm.engine

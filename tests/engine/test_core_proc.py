@@ -15,7 +15,7 @@ from surge.engine.core import EngineCoreOutput, SchedulerStats
 from surge.engine.core_proc import EngineCoreProc
 from surge.engine.messages import (AbortRequests, AddRequest, EngineCoreOutputs, Shutdown, StopRequests,
                                    UtilityCall)
-from surge.engine.request import RequestStatus
+from surge.core.request import RequestStatus
 from surge.sampling_params import SamplingParams
 
 

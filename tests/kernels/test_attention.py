@@ -46,9 +46,9 @@ def _batch(requests, block_size, num_q_heads, num_kv_heads, head_dim, dtype, dev
     meta = AttentionMetadata(
         num_reqs=len(requests), num_tokens=num_tokens, query_start_loc=qsl, seq_lens=seq_lens,
         max_query_len=max(n for _, n in requests), max_seq_len=max(seq_lens),
-        slot_mapping=[torch.tensor(slots, dtype=torch.int64, device=device)], block_tables=[tables.to(device)],
         query_start_loc_t=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=device))
+        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), block_table=tables.to(device))
     return (q.to(device), k_new.to(device), v_new.to(device), cache.to(device), meta, full_k, full_v)
 
 
@@ -76,7 +76,7 @@ def _run_triton(q, k, v, cache, meta, window, scale, num_sms=None):
     if num_sms is not None:
         from surge.kernels.attention import PagedAttention
         backend._kernels[q.device] = PagedAttention(q.device, num_sms)
-    return backend.forward(q, k, v, cache, meta, 0, window, scale)
+    return backend.forward(q, k, v, cache, meta, window, scale)
 
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -99,7 +99,7 @@ def test_attention_matches_references(requests, block_size, heads, head_dim, win
     q, k, v, cache, meta, full_k, full_v = _batch(requests, block_size, *heads, head_dim, dtype, device, seed=7)
     scale = head_dim ** -0.5
     zeroed = torch.nan_to_num(cache, nan=0.0)  # the torch backend reads masked slots: it needs a zeroed cache
-    expected = TorchAttentionBackend().forward(q, k, v, zeroed, meta, 0, window, scale)
+    expected = TorchAttentionBackend().forward(q, k, v, zeroed, meta, window, scale)
     got = _run_triton(q, k, v, cache, meta, window, scale)
     assert not got.isnan().any(), "NaN from unwritten slots leaked into the output"
     # The KV write put the new tokens exactly where the torch backend did; untouched slots kept their NaN.
@@ -136,8 +136,8 @@ def test_padding_rows_of_a_graph_batch_are_harmless(num_sms, device):
     meta.query_start_loc = [0, 1, 2, 3, 4]
     meta.query_start_loc_t = torch.arange(5, dtype=torch.int32, device=device)
     meta.seq_lens_t = torch.cat([meta.seq_lens_t, torch.zeros(pad, dtype=torch.int64, device=device)])
-    meta.slot_mapping = [torch.cat([meta.slot_mapping[0], torch.full((pad,), -1, device=device)])]
-    meta.block_tables = [torch.cat([meta.block_tables[0], torch.zeros_like(meta.block_tables[0][:pad])])]
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((pad,), -1, device=device)])
+    meta.block_table = torch.cat([meta.block_table, torch.zeros_like(meta.block_table[:pad])])
     before = cache.clone()
     got = _run_triton(qp, kp, vp, cache, meta, None, 32 ** -0.5, num_sms=num_sms)
     assert torch.equal(got[2:], torch.zeros_like(got[2:]))

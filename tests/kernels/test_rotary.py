@@ -67,7 +67,17 @@ def test_rotary_write_kv_matches_prologue(heads, head_dim, qk_norm, dtype, devic
 
     # Reference: the layers in torch (CPU), then a plain scatter into the cache.
     q_ref, k_ref, v_ref = (t.clone() for t in split(qkv.clone()))
-    q_ref, k_ref = Prologue(positions, rope, q_norm, k_norm).apply(q_ref, k_ref)
+    q_in, k_in = q_ref.clone(), k_ref.clone()
+    if q_norm is not None:
+        q_ref, k_ref = q_norm(q_ref), k_norm(k_ref)
+    q_ref, k_ref = rope(positions, q_ref, k_ref)
+    # The prologue's own unfused reference (plain tensors) is the layers' math too.
+    q_pro, k_pro = Prologue(positions, rope.cos_cache, rope.sin_cache,
+                            q_norm.weight if q_norm is not None else None,
+                            k_norm.weight if k_norm is not None else None,
+                            q_norm.eps if q_norm is not None else 0.0).apply(q_in, k_in)
+    torch.testing.assert_close(q_pro, q_ref, atol=0, rtol=0)
+    torch.testing.assert_close(k_pro, k_ref, atol=0, rtol=0)
     cache_ref = torch.zeros(2, num_blocks, block_size, num_k, head_dim, dtype=dtype)
     keep = slots >= 0
     cache_ref[0].view(-1, num_k, head_dim)[slots[keep]] = k_ref[keep]

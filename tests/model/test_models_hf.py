@@ -20,13 +20,13 @@ def tiny(request, tmp_path_factory):
 
 def _record_logits(llm: LLM) -> list[tuple[str, int, torch.Tensor]]:
     """Wrap the runner so every sampled row's logits are recorded with (request id, position of the row)."""
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     records: list[tuple[str, int, torch.Tensor]] = []
     execute, compute_logits = runner.execute_async, runner.model.compute_logits  # execute() goes through it too
     pending: list[tuple[str, int]] = []
 
     def wrapped_execute(out):
-        pending[:] = [(s.request.request_id, s.num_computed_tokens + s.num_new_tokens - 1)
+        pending[:] = [(s.request_id, s.num_computed_tokens + s.num_new_tokens - 1)
                       for s in out.scheduled if s.samples]
         return execute(out)
 

@@ -30,6 +30,6 @@ def test_graph_replay_matches_eager():
     # Mixed lengths, more requests than some capture sizes: padding rows must not disturb real ones.
     workload = [([100 + i] * (5 + 7 * i), 24) for i in range(11)]
     graphs = engine(False)
-    assert graphs.runner.graph_runner is not None
+    assert graphs.executor.runner.graph_runner is not None
     assert run_engine(engine(True), workload, show_progress=False) == run_engine(graphs, workload,
                                                                                  show_progress=False)

@@ -35,7 +35,7 @@ def model_dir(tmp_path_factory):
 def test_killed_rank_ends_the_engine(model_dir):
     llm = LLM(model_dir, tensor_parallel_size=2, device="cpu", block_size=4, max_model_len=512,
               kv_cache_memory=1 << 22)
-    pids = {rank: p.pid for rank, p in llm.engine.runner.launcher.procs.items()}
+    pids = {rank: p.pid for rank, p in llm.engine.executor.launcher.procs.items()}
     killed_at = []
 
     def kill_rank_1() -> None:
@@ -60,7 +60,7 @@ _DRIVER = """
 import sys
 from surge import LLM, SamplingParams
 llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", block_size=4, max_model_len=512, kv_cache_memory=1 << 22)
-print(*(p.pid for p in llm.engine.runner.launcher.procs.values()), flush=True)
+print(*(p.pid for p in llm.engine.executor.launcher.procs.values()), flush=True)
 for _ in range(1000):
     llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True), use_tqdm=False)
 """

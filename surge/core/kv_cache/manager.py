@@ -1,13 +1,15 @@
 """KV cache managers: one per group (full attention, sliding window) and a KVCacheManager coordinating them.
 
 The coordinator finds prefix-cache hits that every group can serve, allocates slots for a step all-or-nothing,
-and frees a request's blocks; sliding-window groups hand back blocks that fell out of the window.
+frees a request's blocks (or only its tail, after rejected draft tokens); sliding-window groups hand back blocks
+that fell out of the window. Each group remembers from which index a request's block table changed since the step
+message last carried it, so the message holds only that part.
 """
 from __future__ import annotations
 
 from surge.core.kv_cache.block_pool import Block, BlockPool
 from surge.core.kv_cache.spec import KVCacheConfig, KVCacheGroup, SlidingWindowSpec
-from surge.engine.request import Request
+from surge.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -22,6 +24,19 @@ class GroupManager:
         self.pool = pool
         self.block_size = group.spec.block_size
         self.req_blocks: dict[str, list[Block]] = {}
+        self._changed_from: dict[str, int] = {}  # request id -> first index changed since take_changes
+        self._num_cached: dict[str, int] = {}  # request id -> leading blocks already offered to the prefix cache
+
+    def _mark_changed(self, request_id: str, index: int) -> None:
+        self._changed_from[request_id] = min(self._changed_from.get(request_id, index), index)
+
+    def take_changes(self, request_id: str) -> tuple[int, list[int]]:
+        """(first changed index, block ids from there on) since the last call; then nothing is changed."""
+        blocks = self.req_blocks.get(request_id, ())
+        start = self._changed_from.pop(request_id, None)
+        if start is None or start >= len(blocks):  # the common decode step: nothing changed
+            return len(blocks), []
+        return start, [b.block_id for b in blocks[start:]]
 
     def find_cache_hit(self, block_hashes: list[bytes], max_blocks: int) -> list[Block]:
         """Longest run of cached blocks from the start."""
@@ -45,21 +60,43 @@ class GroupManager:
     def allocate(self, request_id: str, num_tokens: int, hit: list[Block]) -> None:
         blocks = self.req_blocks.setdefault(request_id, [])
         if hit and not blocks:
+            self._mark_changed(request_id, 0)
             self.pool.touch(hit)
             blocks.extend(hit)
         need = cdiv(num_tokens, self.block_size) - len(blocks)
         if need > 0:
+            self._mark_changed(request_id, len(blocks))
             blocks.extend(self.pool.get_new_blocks(need))
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        blocks = self.req_blocks[request.request_id]
+        """Offer the request's newly completed blocks to the prefix cache (each block once, not every step)."""
+        rid = request.request_id
+        blocks = self.req_blocks[rid]
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        for i in range(num_full):
+        for i in range(self._num_cached.get(rid, 0), num_full):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
+        if num_full > self._num_cached.get(rid, 0):
+            self._num_cached[rid] = num_full
 
     def free(self, request_id: str) -> None:
         blocks = self.req_blocks.pop(request_id, [])
+        self._changed_from.pop(request_id, None)  # a table allocated again is new from index 0
+        self._num_cached.pop(request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))  # the tail is least likely to be shared: evict it first
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Keep the blocks that hold the first num_tokens positions; free the rest (never prefix-cached: they hold
+        no complete block of known tokens)."""
+        blocks = self.req_blocks.get(request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self._mark_changed(request_id, keep)
+        if self._num_cached.get(request_id, 0) > keep:
+            self._num_cached[request_id] = keep
+        self.pool.free_blocks(list(reversed(tail)))
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
@@ -98,6 +135,8 @@ class SlidingWindowManager(GroupManager):
         freed = []
         for i in range(min(first_needed // self.block_size, len(blocks))):
             if not blocks[i].is_null:
+                if not freed:
+                    self._mark_changed(request_id, i)
                 freed.append(blocks[i])
                 blocks[i] = self.pool.null_block
         self.pool.free_blocks(freed)
@@ -160,6 +199,17 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         for m in self.managers:
             m.free(request.request_id)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free every group's blocks past the first num_tokens positions (rejected draft tokens)."""
+        for m in self.managers:
+            m.trim(request.request_id, num_tokens)
+
+    def take_block_changes(self, request_id: str) -> tuple[list[int], list[list[int]]]:
+        """Per group: the first index of the request's block table changed since the last call, and the ids from
+        there on (the step message's diff)."""
+        changes = [m.take_changes(request_id) for m in self.managers]
+        return [start for start, _ in changes], [ids for _, ids in changes]
 
     def get_block_ids(self, request_id: str, group_ids: tuple[int, ...] | None = None) -> tuple[list[int], ...]:
         ids = range(len(self.managers)) if group_ids is None else group_ids

@@ -18,7 +18,8 @@ class Attention(nn.Module):
         self.group_id = 0
         self.backend: AttentionBackend | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: list[AttentionMetadata],
                 prologue: Prologue | None = None) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.kv_cache, meta, self.group_id, self.sliding_window, self.scale,
+        """meta: one per KV cache group; this layer reads its own group's."""
+        return self.backend.forward(q, k, v, self.kv_cache, meta[self.group_id], self.sliding_window, self.scale,
                                     prologue)

@@ -9,6 +9,8 @@ import math
 import torch
 from torch import nn
 
+from surge.kernels.reference import rotate_half
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -70,9 +72,4 @@ class RotaryEmbedding(nn.Module):
             return q, k
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return rotate_half(q, cos, sin), rotate_half(k, cos, sin)

@@ -62,10 +62,3 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         else:
             param.normal_(0.0, 0.02, generator=gen)
 
-
-def __getattr__(name: str):
-    """Transitional: build_model, load_from_disk and load_model moved to base.py; old imports still resolve."""
-    if name in ("build_model", "load_from_disk", "load_model"):
-        from surge.model.loader import base
-        return getattr(base, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,13 +40,17 @@ class DecoderAttention(nn.Module):
         window = sliding_window if layer_type == "sliding_attention" else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, window)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: list[AttentionMetadata]) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, meta, Prologue(positions, self.rotary, self.q_norm, self.k_norm))
+        qn, kn = self.q_norm, self.k_norm
+        prologue = Prologue(positions, self.rotary.cos_cache, self.rotary.sin_cache,
+                            qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+                            qn.eps if qn is not None else 0.0)
+        out = self.attn(q, k, v, meta, prologue)
         return self.o_proj(out.flatten(1))
 
 
@@ -113,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata]) -> torch.Tensor:
         """Returns final hidden states [T, hidden]; `compute_logits` maps the rows that need them to logits."""
         x = self.embed_tokens(input_ids)
         residual = None

@@ -1,4 +1,4 @@
-"""Request: one sequence's state as the engine core sees it (tokens, progress, status, sampling RNG).
+"""Request: one sequence's state as the engine core sees it (tokens, progress, status, block hashes).
 
 `n > 1` is fanned out by the front end into independent requests before they get here.
 """
@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import enum
 import time
-
-import torch
 
 from surge.core.kv_cache.hashing import hash_block_tokens
 from surge.sampling_params import SamplingParams
@@ -24,15 +22,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
-
-
-def sampling_generator(params: SamplingParams, device: torch.device | None) -> torch.Generator | None:
-    """The request's own RNG when it samples with a seed; None: it draws from the global RNG."""
-    if params.seed is None or params.greedy:
-        return None
-    generator = torch.Generator(device=device or "cpu")
-    generator.manual_seed(params.seed)
-    return generator
 
 
 class TokenSequence:
@@ -55,7 +44,7 @@ class TokenSequence:
 
 class Request(TokenSequence):
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
-                 device: torch.device | None = None, arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -66,6 +55,10 @@ class Request(TokenSequence):
         # Tokens sampled by launched steps that have not reached the host yet (async scheduling keeps one step in
         # flight; the next step reads such a token from the device).
         self.num_pending_tokens = 0
+        # Draft tokens (speculative decoding) to verify in the request's next step, and how many the step in
+        # flight carries.
+        self.spec_token_ids: list[int] = []
+        self.num_spec_in_flight = 0
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache at first scheduling
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
@@ -73,9 +66,6 @@ class Request(TokenSequence):
         self.block_size = block_size
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
-        self.generator = sampling_generator(params, device)
-        # Prompt positions whose logprobs were already returned (prompt logprobs are computed once).
-        self.num_prompt_logprobs_done = 0
 
     @property
     def num_tokens_with_pending(self) -> int:

@@ -1,0 +1,55 @@
+"""The step message: what the scheduler hands every executor (in-process or N ranks, one shape), as diffs.
+
+A request's prompt and sampling parameters cross once, when the runner first meets it; each step then carries, per
+scheduled request, the tokens the runner lacks, the block ids that changed, and the draft tokens to verify.
+"""
+from __future__ import annotations
+
+import msgspec
+
+# gc=False: a step creates one struct per scheduled request and none can take part in a reference cycle, so the
+# garbage collector need not track them (fewer collections on the hot path).
+
+from surge.sampling_params import SamplingParams
+
+
+class NewRequest(msgspec.Struct, array_like=True, gc=False):
+    """Sent once per request; the runner keeps it (with its sampling RNG) until the request finishes."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    num_computed_tokens: int  # before this step
+    num_new_tokens: int  # computed this step, draft tokens included
+    # True when this step reaches the end of the request's tokens (the pending one included), so its last
+    # position(s) yield new tokens.
+    samples: bool
+    # Tokens the host knows and the runner does not have yet (a token sampled by the step still in flight is not
+    # among them: the runner takes it from the device).
+    new_token_ids: list[int] = []
+    # Per KV cache group: the runner's block ids from index block_starts[g] on are replaced by new_block_ids[g]
+    # (usually an append; 0 after a preemption; shorter after a rollback freed the tail).
+    block_starts: list[int] = []
+    new_block_ids: list[list[int]] = []
+    # Draft tokens placed after the request's last token; the runner verifies them and returns 1 + j tokens.
+    spec_token_ids: list[int] = []
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    scheduled: list[ScheduledRequest] = []
+    new_requests: list[NewRequest] = []  # first scheduled this step; their entries in `scheduled` follow
+    preempted_ids: list[str] = []
+    # Requests finished since the last non-empty step: the runner drops their state.
+    finished_ids: list[str] = []
+    shutdown: bool = False  # executors of worker processes: the ranks stop
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
