@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from surge import LLM, SamplingParams
+from engine_steps import abort_while_in_flight
 from tiny_models import make_tiny_model
 
 ENGINE = dict(block_size=4, max_model_len=128, device="cpu", max_num_batched_tokens=24)
@@ -149,26 +150,12 @@ def test_tp2_async_scheduling_matches_one_rank(tmp_path, blocks):
 
 
 def test_tp2_async_abort_mid_flight(tmp_path):
-    from surge.core.request import Request
-
     model_dir = make_tiny_model("llama", tmp_path / "m")
     alone = LLM(model_dir, **{**ENGINE, "kv_cache_memory": 1 << 22}).generate([[9, 8, 7]], GREEDY, use_tqdm=False)
     llm = LLM(model_dir, tensor_parallel_size=2, async_scheduling=True, kv_cache_memory=1 << 22, **ENGINE)
     try:
         engine = llm.engine
-        for rid, prompt in (("a", [5, 6, 7, 8, 9]), ("b", [9, 8, 7])):
-            engine.add_request(Request(rid, prompt, GREEDY, 4))
-        got: dict[str, list[int]] = {"a": [], "b": []}
-        for _ in range(3):
-            for o in engine.step():
-                got[o.request_id] += o.new_token_ids
-        assert engine._in_flight is not None
-        engine.abort_requests(["a"])
-        for _ in range(50):
-            if not engine.has_unfinished_requests():
-                break
-            for o in engine.step():
-                got[o.request_id] += o.new_token_ids
+        got = abort_while_in_flight(engine, GREEDY)
         assert got["b"] == alone[0].outputs[0].token_ids and len(got["a"]) < 12
         assert engine.kv_cache_manager.usage == 0.0
         # The ranks still serve after the abort: the same request again gives the same tokens.

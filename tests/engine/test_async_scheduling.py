@@ -7,6 +7,7 @@ import torch
 
 from surge import LLM, SamplingParams
 from surge.engine.core import EngineCore
+from engine_steps import abort_while_in_flight
 from tiny_models import make_tiny_model
 
 
@@ -96,24 +97,10 @@ def test_no_step_is_wasted_at_max_tokens(model_dir):
 
 
 def test_abort_with_a_step_in_flight(model_dir):
-    from surge.core.request import Request
-
     llm = LLM(model_dir, block_size=4, kv_cache_memory=1 << 22, max_model_len=64, async_scheduling=True)
     engine: EngineCore = llm.engine
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    for rid, prompt in (("a", [5, 6, 7, 8, 9]), ("b", [9, 8, 7])):
-        engine.add_request(Request(rid, prompt, params, 4))
-    got: dict[str, list[int]] = {"a": [], "b": []}
-    for _ in range(3):
-        for o in engine.step():
-            got[o.request_id] += o.new_token_ids
-    assert engine._in_flight is not None
-    engine.abort_requests(["a"])
-    for _ in range(50):
-        if not engine.has_unfinished_requests():
-            break
-        for o in engine.step():
-            got[o.request_id] += o.new_token_ids
+    got = abort_while_in_flight(engine, params)
     alone, _ = _run(model_dir, [[9, 8, 7]], params, False)
     assert got["b"] == alone[0][0] and len(got["a"]) < 10
     assert engine.kv_cache_manager.usage == 0.0
