@@ -61,6 +61,12 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.hf_config["vocab_size"]
 
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per mixture-of-experts layer; 0 for a dense model. HF configs name it either way."""
+        cfg = self.hf_config
+        return cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+
     @staticmethod
     def from_hf_config(model: str, cfg: dict, gen_cfg: dict, dtype: str | torch.dtype, device: torch.device,
                        max_model_len: int | None = None, load_format: str = "safetensors", *,
@@ -160,8 +166,13 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port, chosen at start-up (one node only)
+    # Mixture-of-experts layers: each rank holds whole experts (E / tp of them) instead of a slice of every expert;
+    # attention stays tensor-parallel. EP size = TP size. Every config derived from this one inherits it.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be True or False")
         for name in ("tensor_parallel_size", "nnodes"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
@@ -188,9 +199,14 @@ class ParallelConfig:
         """One rank: the engine runs the model itself, with no worker processes and no collectives."""
         return self.tensor_parallel_size == 1
 
+    @property
+    def expert_parallel_size(self) -> int:
+        return self.tensor_parallel_size if self.enable_expert_parallel else 1
+
     def check_model(self, model_config: ModelConfig) -> None:
         """KV heads (each with its query heads) split over the ranks, unevenly if need be, or are replicated when
-        tp exceeds them; the MLP must split evenly."""
+        tp exceeds them; the MLP must split evenly, and so must the experts (their count with expert parallelism,
+        each one's intermediate size without)."""
         tp, cfg = self.tensor_parallel_size, model_config.hf_config
         heads, kv_heads = cfg["num_attention_heads"], model_config.num_kv_heads
         if tp > kv_heads and (tp % kv_heads or heads % tp):
@@ -199,6 +215,14 @@ class ParallelConfig:
         if cfg["intermediate_size"] % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide the model's intermediate_size="
                              f"{cfg['intermediate_size']}")
+        num_experts = model_config.num_experts
+        if self.enable_expert_parallel and num_experts and num_experts % tp:
+            raise ValueError(f"enable_expert_parallel with tensor_parallel_size={tp}: the model's {num_experts} "
+                             "experts do not split evenly over the ranks")
+        if num_experts and not self.enable_expert_parallel and cfg["moe_intermediate_size"] % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's moe_intermediate_size="
+                             f"{cfg['moe_intermediate_size']} (with --enable-expert-parallel each rank holds whole "
+                             "experts instead)")
 
 
 WEIGHT_CACHE_MODES = ("zero_copy", "copy")

@@ -1,5 +1,5 @@
-"""Tiny random-weight HF models (Llama, Llama with one KV head, Qwen3, hybrid Qwen3) saved as HF directories,
-for fast tests.
+"""Tiny random-weight HF models (Llama, Llama with one KV head, Qwen3, hybrid Qwen3, Qwen3-MoE) saved as HF
+directories, for fast tests.
 
 Built with transformers itself from a config, so the weights and the reference forward pass are HF's own.
 """
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
 VOCAB = 256
 
@@ -30,6 +30,9 @@ def tiny_config(kind: str):
     if kind == "qwen3-hybrid":
         return Qwen3Config(**_COMMON, rope_theta=1000000.0, use_sliding_window=True, sliding_window=12,
                            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    if kind == "qwen3-moe":  # 8 experts, 3 per token, renormalized; layer 2 dense (mlp_only_layers)
+        return Qwen3MoeConfig(**_COMMON, rope_theta=1000000.0, moe_intermediate_size=32, num_experts=8,
+                              num_experts_per_tok=3, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2])
     raise ValueError(kind)
 
 
@@ -53,6 +56,8 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):  # a decisive router: routing errors and renormalization show
+                p.normal_(0.0, 0.3)
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path

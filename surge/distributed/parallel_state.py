@@ -73,6 +73,9 @@ class TPGroup:
 
 
 _TP = TPGroup()
+# The ranks that split the experts between them: the tensor-parallel ranks with enable_expert_parallel (EP size =
+# TP size), else a single rank (each rank then holds a slice of every expert, split like a dense MLP).
+_EP = TPGroup()
 _LEADERS: dist.ProcessGroup | None = None
 
 
@@ -80,9 +83,13 @@ def get_tp_group() -> TPGroup:
     return _TP
 
 
+def get_ep_group() -> TPGroup:
+    return _EP
+
+
 def init_distributed(parallel: ParallelConfig, rank: int, device: torch.device) -> None:
     """Join the engine's process group as `rank` (a global rank, see ranks.py). Called once per worker process."""
-    global _TP, _LEADERS
+    global _TP, _EP, _LEADERS
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{parallel.master_addr}:{parallel.master_port}",
                             world_size=parallel.tensor_parallel_size, rank=rank, timeout=_INIT_TIMEOUT)
@@ -94,6 +101,7 @@ def init_distributed(parallel: ParallelConfig, rank: int, device: torch.device) 
         group = dist.new_group(ranks=leaders, backend="gloo", timeout=_IDLE_TIMEOUT)
         _LEADERS = group if rank in leaders else None
     _TP = TPGroup(rank=rank, world_size=parallel.tensor_parallel_size, device_group=world, cpu_group=cpu_group)
+    _EP = _TP if parallel.enable_expert_parallel else TPGroup()
 
 
 def relay_bytes(data: bytes | None) -> bytes:
@@ -113,7 +121,7 @@ def relay_bytes(data: bytes | None) -> bytes:
 
 
 def destroy_distributed() -> None:
-    global _TP, _LEADERS
-    _TP, _LEADERS = TPGroup(), None
+    global _TP, _EP, _LEADERS
+    _TP, _EP, _LEADERS = TPGroup(), TPGroup(), None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -25,6 +25,15 @@ _LLAMA31_8B = dict(
     rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=8192))
 
+# Qwen/Qwen3-30B-A3B's config.json: 30.5B parameters, 3.3B active per token (8 of 128 experts in each of 48 layers).
+_QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+    moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+    mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, attention_bias=False, bos_token_id=151643, eos_token_id=151645, hidden_act="silu",
+    use_sliding_window=False, sliding_window=None, max_window_layers=48, router_aux_loss_coef=0.001)
+
 _TINY = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
     num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=4096,
@@ -36,11 +45,18 @@ _TINY_HYBRID = dict(
     use_sliding_window=True, sliding_window=64,
     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
 
+_TINY_MOE = dict(
+    _TINY, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", tie_word_embeddings=False,
+    moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1,
+    mlp_only_layers=[3])
+
 PRESETS: dict[str, dict] = {
     "qwen3-8b": _QWEN3_8B,
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
     "llama3.1-8b": _LLAMA31_8B,
     "tiny-llama": _TINY,
     "tiny-qwen3-hybrid": _TINY_HYBRID,
+    "tiny-qwen3-moe": _TINY_MOE,
 }
 
 

@@ -1,5 +1,6 @@
-"""Tiny random Llama, Qwen3 and hybrid Qwen3: Surge's logits equal HF transformers' at prefill and at every decode
-step, with prompts longer than a block and than the sliding window, batched, and with prefill split into chunks."""
+"""Tiny random Llama, Qwen3, hybrid Qwen3 and Qwen3-MoE: Surge's logits equal HF transformers' at prefill and at every
+decode step, with prompts longer than a block and than the sliding window, batched, with prefill split into chunks,
+and through prefix-cache hits and preemption."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from surge import LLM, SamplingParams
 from tiny_models import make_tiny_model
 
-KINDS = ["llama", "llama-tied", "qwen3", "qwen3-hybrid"]
+KINDS = ["llama", "llama-tied", "qwen3", "qwen3-hybrid", "qwen3-moe"]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -59,6 +60,28 @@ def test_logits_match_hf_every_step(tiny, budget):
     for p, o in zip(prompts, outs):  # greedy tokens are the argmax of HF's logits
         rid = o.request_id
         assert o.outputs[0].token_ids == ref[rid][len(p) - 1:-1].argmax(-1).tolist()
+
+
+def test_logits_match_hf_through_prefix_hits_and_preemption(tiny):
+    """A warm-up request leaves a shared prefix in the cache; then a batch larger than the KV cache is preempted and
+    recomputed. Every sampled row still equals HF's logits at its position, and greedy tokens are HF's argmax."""
+    kind, path, hf = tiny
+    llm = LLM(path, block_size=4, num_gpu_blocks_override=40, max_num_batched_tokens=32, max_model_len=128)
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 256, (20,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 7, 12, 3, 9, 5)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm.generate([shared + [5]], greedy, use_tqdm=False)
+    records = _record_logits(llm)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert llm.engine.kv_cache_manager.prefix_hits > 0 and llm.engine.scheduler.num_preemptions > 0
+    with torch.no_grad():
+        ref = {o.request_id: hf(torch.tensor([p + o.outputs[0].token_ids])).logits[0] for p, o in zip(prompts, outs)}
+    assert {rid for rid, _, _ in records} == set(ref)
+    for rid, pos, row in records:
+        torch.testing.assert_close(row, ref[rid][pos], atol=2e-4, rtol=2e-4, msg=f"{kind} request {rid} pos {pos}")
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == ref[o.request_id][len(p) - 1:-1].argmax(-1).tolist()
 
 
 def test_prompt_logprobs_match_hf(tiny):

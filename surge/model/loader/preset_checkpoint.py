@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from surge.model.layers.linear import MergedColumnParallelLinear
+from surge.model.layers.moe import FusedMoE
 from surge.model.loader.base import load_from_disk
 from surge.model.presets import preset_model_config
 
@@ -23,7 +24,8 @@ _SHARD_BYTES = 4 << 30
 
 def hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """A one-rank model's parameters under their HF checkpoint names: merged projections split back (qkv_proj ->
-    q/k/v_proj, gate_up_proj -> gate/up_proj) by their shard layout; a tied LM head is left out, as HF saves it."""
+    q/k/v_proj, gate_up_proj -> gate/up_proj) by their shard layout, stacked experts split per expert; a tied LM head
+    is left out, as HF saves it."""
     inverse = {(param, shard): ckpt for ckpt, (param, shard) in model.packed_modules_mapping.items()}
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():  # tied weights appear once, under the embedding's name
@@ -31,7 +33,16 @@ def hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         module = modules[module_name]
         parent, _, fragment = module_name.rpartition(".")
         merged = isinstance(module, MergedColumnParallelLinear) and list(module.shard_layout) != [None]
-        if merged:
+        if isinstance(module, FusedMoE):  # stacked experts -> one tensor per expert and projection, as on the hub
+            assert module.num_local_experts == module.num_experts and module.local_intermediate == module.intermediate
+            for expert, weight in enumerate(param):
+                if leaf == "down_proj":
+                    yield _hf_name(f"{module_name}.{expert}.down_proj.weight"), weight
+                else:
+                    gate, up = weight.chunk(2)
+                    yield _hf_name(f"{module_name}.{expert}.gate_proj.weight"), gate
+                    yield _hf_name(f"{module_name}.{expert}.up_proj.weight"), up
+        elif merged:
             assert module.tp_size == 1, "a checkpoint is written from a one-rank model"
             for shard_id, (offset, rows, _) in module.shard_layout.items():
                 yield _hf_name(f"{parent}.{inverse[(fragment, shard_id)]}.{leaf}"), param.narrow(0, offset, rows)

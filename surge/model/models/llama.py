@@ -66,12 +66,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention, then the feed-forward block the model chose for this layer (dense MLP or mixture of experts)."""
+
     def __init__(self, cfg: dict, layer_type: str, sliding_window: int | None, qkv_bias: bool, qk_norm: bool,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, mlp: nn.Module) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = DecoderAttention(cfg, layer_type, sliding_window, qkv_bias, qk_norm, rotary)
-        self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False))
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
@@ -106,13 +108,18 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(head_dim, max_position, rope_parameters(cfg))
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, layer_types[i], sliding_window, self.qkv_bias, self.qk_norm, rotary)
+            DecoderLayer(cfg, layer_types[i], sliding_window, self.qkv_bias, self.qk_norm, rotary,
+                         self.make_mlp(cfg, i))
             for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg["vocab_size"], hidden)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_mlp(self, cfg: dict, layer_index: int) -> nn.Module:
+        """The feed-forward block of one layer; mixture-of-experts models choose per layer."""
+        return MLP(cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False))
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

@@ -1,0 +1,82 @@
+"""Mixture-of-experts pieces against HF transformers: the router's weights and choices, which layers are sparse, and
+expert weights loaded alike from per-expert checkpoint tensors (the hub's layout) and from stacked ones (HF
+transformers 5 in memory)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
+
+from surge.config import ParallelConfig
+from surge.engine.args import read_model_config
+from surge.model.layers.moe import select_experts
+from surge.model.loader.base import build_model
+from surge.model.loader.safetensors_loader import iterate_safetensors, load_weights
+from surge.model.models.qwen3_moe import is_sparse_layer
+from tiny_models import make_tiny_model
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_router_matches_hf(norm_topk_prob):
+    cfg = Qwen3MoeConfig(hidden_size=32, num_experts=10, num_experts_per_tok=3, norm_topk_prob=norm_topk_prob)
+    router = Qwen3MoeTopKRouter(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+        x = torch.randn(37, 32)
+        _, hf_weights, hf_ids = router(x)
+        weights, ids = select_experts(x @ router.weight.T, 3, norm_topk_prob, x.dtype)
+    assert ids.tolist() == hf_ids.tolist()
+    torch.testing.assert_close(weights, hf_weights, rtol=1e-6, atol=1e-7)
+    if norm_topk_prob:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(37))
+
+
+@pytest.mark.parametrize("step,dense", [(1, []), (2, []), (1, [0, 3]), (3, [2])])
+def test_sparse_layers_as_hf_decides(step, dense):
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=step, mlp_only_layers=dense)
+    hf = AutoModelForCausalLM.from_config(cfg)
+    expected = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in hf.model.layers]
+    assert [is_sparse_layer(cfg.to_dict(), i) for i in range(6)] == expected
+    assert any(expected) and not all(expected) or step == 1 and not dense
+
+
+def test_per_expert_and_stacked_checkpoints_load_alike(tmp_path):
+    path = make_tiny_model("qwen3-moe", tmp_path / "m")
+    mc = read_model_config(path, "float32", torch.device("cpu"))
+    from_disk = build_model(mc, torch.device("cpu"))
+    load_weights(from_disk, iterate_safetensors(path), str(path))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert any(name.endswith("experts.gate_up_proj") for name in hf.state_dict())  # stacked in memory
+    from_memory = build_model(mc, torch.device("cpu"))
+    load_weights(from_memory, hf.state_dict().items(), "HF model")
+    disk = dict(from_disk.named_parameters())
+    assert disk["layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
+    for name, param in from_memory.named_parameters():
+        assert torch.equal(param, disk[name]), name
+    # Expert 5's gate and up rows, and its down projection, are the hub tensors of expert 5.
+    hub = dict(iterate_safetensors(path))
+    gate_up = disk["layers.1.mlp.experts.gate_up_proj"][5]
+    assert torch.equal(gate_up[:32], hub["model.layers.1.mlp.experts.5.gate_proj.weight"])
+    assert torch.equal(gate_up[32:], hub["model.layers.1.mlp.experts.5.up_proj.weight"])
+    assert torch.equal(disk["layers.1.mlp.experts.down_proj"][5], hub["model.layers.1.mlp.experts.5.down_proj.weight"])
+
+
+def test_parallel_config_checks_the_experts(tmp_path):
+    mc = read_model_config(make_tiny_model("qwen3-moe", tmp_path / "m"), "float32", torch.device("cpu"))
+    assert mc.num_experts == 8
+    ParallelConfig(tensor_parallel_size=2).check_model(mc)  # moe_intermediate_size 32 splits in two
+    ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).check_model(mc)
+    six = dataclasses.replace(mc, hf_config={**mc.hf_config, "num_local_experts": 6, "moe_intermediate_size": 30})
+    ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).check_model(six)
+    with pytest.raises(ValueError, match="6 experts do not split evenly"):
+        ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True).check_model(six)
+    with pytest.raises(ValueError, match="moe_intermediate_size=30"):
+        ParallelConfig(tensor_parallel_size=4).check_model(six)
+    with pytest.raises(ValueError, match="enable_expert_parallel"):
+        ParallelConfig(enable_expert_parallel="yes")
