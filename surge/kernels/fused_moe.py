@@ -1,0 +1,192 @@
+"""Fused mixture of experts in Triton: the (token, expert) pairs sorted by expert and padded per expert to whole
+blocks of rows, one grouped GEMM for gate|up with SiLU-and-mul fused into its epilogue, one for down with the
+router weight fused into its epilogue, then the k weighted rows of each token summed.
+
+Every shape is static (the padded pair count is its upper bound, blocks past the live ones exit at once), so one
+CUDA graph replays any routing. Defined by surge/kernels/reference.py's fused_moe; ids of -1 (experts another rank
+holds) contribute nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows of a block: tl.dot needs at least 16; more than 64 with two accumulators (gate and up) spills registers.
+MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    block_m: int  # rows (pairs) per block: each expert's pairs are padded to a multiple of it
+    gate_up: GemmTiles  # N: the intermediate size (gate and up both), K: hidden
+    down: GemmTiles  # N: hidden, K: the intermediate size
+
+
+def _tiles(block_m: int, n: int, k: int) -> GemmTiles:
+    """Few rows per block (decode) read weights: wide K tiles, deep pipelines. Many rows (prefill) reuse each weight
+    tile: square tiles."""
+    block_n = min(64 if block_m <= 32 else 128, max(16, triton.next_power_of_2(n)))
+    block_k = min(128 if block_m <= 32 else 64, max(16, triton.next_power_of_2(k)))
+    return GemmTiles(block_n, block_k, num_warps=4, num_stages=4 if block_m <= 32 else 3)
+
+
+def launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int) -> MoeLaunch:
+    """Pure function of shapes: the batch's token count (a CUDA graph's capture size under graphs, never a live
+    routing), the experts and the projections. block_m covers the pairs an expert receives on average."""
+    for name, value in (("num_tokens", num_tokens), ("top_k", top_k), ("num_experts", num_experts),
+                        ("hidden", hidden), ("intermediate", intermediate)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k} must be <= num_experts={num_experts}")
+    pairs_per_expert = triton.cdiv(num_tokens * top_k, num_experts)
+    block_m = min(MAX_BLOCK_M, max(MIN_BLOCK_M, triton.next_power_of_2(pairs_per_expert)))
+    # The gate|up GEMM's N is each half's width: one program computes a tile of gate and the same tile of up.
+    return MoeLaunch(block_m, _tiles(block_m, intermediate, hidden), _tiles(block_m, hidden, intermediate))
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted pair list: every expert may leave a partly filled block."""
+    return triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+
+
+def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted pair ids [P], expert of each block [P / block_m]): pair p = token * k + slot, grouped by expert in
+    ascending order, each group padded to whole blocks with the id num_pairs; blocks past the last group (and
+    pairs of expert -1) have expert -1. P is max_padded_pairs. Device ops only, no host sync."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs, device = flat.numel(), flat.device
+    padded_rows = max_padded_pairs(num_pairs, num_experts, block_m)
+    bucket = torch.where(flat < 0, num_experts, flat)  # remote experts sort last, into a bucket no block reads
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    group_start = padded_end - padded
+    group_start[num_experts] = padded_rows  # the remote bucket's pairs land on one discarded row
+    order = torch.argsort(bucket, stable=True)
+    sorted_bucket = bucket[order]
+    rank_in_group = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_bucket]
+    row = torch.where(sorted_bucket < num_experts, group_start[sorted_bucket] + rank_in_group, padded_rows)
+    sorted_ids = torch.full((padded_rows + 1,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, row, order.to(torch.int32))
+    block_start = torch.arange(0, padded_rows, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end[:num_experts], block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_ids[:padded_rows], block_expert
+
+
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, N, K,
+                         stride_xm, stride_we, stride_wn, stride_om,
+                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for this block's pairs of expert e."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid // num_n, pid % num_n
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= 0:
+        pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = pair < num_pairs
+        token = (pair // TOP_K).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
+        g_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [K, N] view
+        u_ptrs = g_ptrs + N * stride_wn
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_ok = ks < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            gate = tl.dot(a, g, gate, input_precision=DOT_PRECISION)
+            up = tl.dot(a, u, up, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :]
+        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_weighted_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, num_pairs, N, K,
+                          stride_am, stride_we, stride_wn, stride_om,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+    """out[pair, n] = weight[pair] * (a[pair] . w[e, n]) for this block's pairs of expert e."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid // num_n, pid % num_n
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= 0:
+        pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = pair < num_pairs
+        pair64 = pair.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + pair64[:, None] * stride_am + ks[None, :]
+        w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_ok = ks < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        weight = tl.load(weights_ptr + pair64, mask=row_ok, other=0.0).to(tl.float32)
+        out_ptrs = out_ptr + pair64[:, None] * stride_om + cols[None, :]
+        tl.store(out_ptrs, (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, launch: MoeLaunch | None = None) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H] ([gate | up] rows); down [E, H, I]; topk_weights, topk_ids [T, k] (ids in
+    [-1, E), -1: not here). Returns [T, H] in x's dtype."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter, top_k = two_inter // 2, topk_ids.shape[1]
+    if gate_up.shape[2] != hidden or tuple(down.shape) != (num_experts, hidden, inter):
+        raise ValueError(f"expert weights gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not fit "
+                         f"hidden size {hidden}")
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    launch = launch or launch_policy(num_tokens, top_k, num_experts, hidden, inter)
+    num_pairs = num_tokens * top_k
+    sorted_ids, block_expert = align_to_blocks(topk_ids, num_experts, launch.block_m)
+    num_blocks = block_expert.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    t = launch.gate_up
+    _gate_up_silu_kernel[(num_blocks * triton.cdiv(inter, t.block_n),)](
+        x, gate_up, act, sorted_ids, block_expert, num_pairs, inter, hidden,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT_PRECISION=precision,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    # Rows of pairs whose expert another rank holds are never written: they must read as zero in the sum.
+    rows = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    t = launch.down
+    _down_weighted_kernel[(num_blocks * triton.cdiv(hidden, t.block_n),)](
+        act, down, rows, sorted_ids, block_expert, topk_weights.contiguous(), num_pairs, hidden, inter,
+        act.stride(0), down.stride(0), down.stride(1), rows.stride(0),
+        BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT_PRECISION=precision,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    return rows.view(num_tokens, top_k, hidden).sum(dim=1)
