@@ -45,6 +45,7 @@ class EngineArgs:
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE layers: whole experts per rank (EP size = TP size)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -88,6 +89,9 @@ class EngineArgs:
         g = p.add_argument_group("parallelism")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="ranks the model is split over")
+        g.add_argument("--enable-expert-parallel", action="store_true",
+                       help="mixture-of-experts layers: each rank holds whole experts (E / tp of them) instead of a "
+                       "slice of every expert; attention stays tensor-parallel")
         g.add_argument("--nnodes", type=int, default=d.nnodes,
                        help="nodes the ranks are spread over (one launcher per node)")
         g.add_argument("--node-rank", type=int, default=d.node_rank, help="this node's index; nodes other than 0 "
@@ -134,7 +138,8 @@ class EngineArgs:
         model_config = self.create_model_config(device)
         parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size, nnodes=self.nnodes,
                                          node_rank=self.node_rank, master_addr=self.master_addr,
-                                         master_port=self.master_port)
+                                         master_port=self.master_port,
+                                         enable_expert_parallel=self.enable_expert_parallel)
         parallel_config.check_model(model_config)
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:

@@ -78,6 +78,7 @@ def weight_cache_key(mc: ModelConfig, pc: ParallelConfig, rank: int, device: tor
         checkpoint=checkpoint_identity(mc.model), model_config=model_config_identity(mc),
         architecture=mc.architecture, dtype=str(mc.dtype).removeprefix("torch."), quantization=str(quant),
         max_model_len=mc.max_model_len, tensor_parallel_size=pc.tensor_parallel_size, tensor_parallel_rank=rank,
+        expert_parallel_size=pc.expert_parallel_size,
         pipeline_parallel_size=1, pipeline_parallel_rank=0, device_kind=kind, device_uuid=uuid, device_arch=arch)
 
 

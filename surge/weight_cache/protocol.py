@@ -33,6 +33,7 @@ class WeightCacheKey(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int  # sizes the rotary tables, which travel with the weights
     tensor_parallel_size: int
     tensor_parallel_rank: int
+    expert_parallel_size: int = 1  # ranks the experts are split over: a rank's expert shard differs from its TP one
     pipeline_parallel_size: int
     pipeline_parallel_rank: int
     device_kind: str  # "cpu" or "cuda"

@@ -3,6 +3,7 @@ reference is the same engine on one rank, in process: greedy and seeded outputs 
 close, through chunked prefill, prefix-cache hits and preemption; so must a two-node launch on this machine."""
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -59,6 +60,44 @@ def test_tp2_matches_one_rank(kind, tmp_path):
     ref, _ = _generate(model_dir, 1, kv_cache_memory=1 << 22)
     out, _ = _generate(model_dir, 2, kv_cache_memory=1 << 22)
     _assert_same(out, ref)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_moe_tp2_and_ep2_match_one_rank(expert_parallel, tmp_path):
+    """Qwen3-MoE over two ranks: a slice of every expert each (TP), or half the experts each (EP); attention is
+    tensor-parallel both ways. Through prefix-cache hits and, with few blocks, preemption."""
+    model_dir = make_tiny_model("qwen3-moe", tmp_path / "moe")
+    ref, _ = _generate(model_dir, 1, kv_cache_memory=1 << 22)
+    out, _ = _generate(model_dir, 2, kv_cache_memory=1 << 22, enable_expert_parallel=expert_parallel)
+    _assert_same(out, ref)
+    ref, ref_preemptions = _generate(model_dir, 1, num_gpu_blocks_override=13, max_model_len=48)
+    out, preemptions = _generate(model_dir, 2, num_gpu_blocks_override=13, max_model_len=48,
+                                 enable_expert_parallel=expert_parallel)
+    assert ref_preemptions > 0 and preemptions == ref_preemptions
+    _assert_same(out, ref)
+
+
+def test_expert_parallel_flag_reaches_the_ranks(tmp_path):
+    """--enable-expert-parallel -> EngineArgs -> ParallelConfig -> each rank's expert-parallel group (the TP ranks)."""
+    import argparse
+
+    from surge.config import ParallelConfig
+    from surge.distributed.parallel_state import destroy_distributed, get_ep_group, get_tp_group, init_distributed
+    from surge.engine.args import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(["--enable-expert-parallel", "-tp", "2", "--device", "cpu"]))
+    config = dataclasses.replace(args, model=make_tiny_model("qwen3-moe", tmp_path / "m")).create_engine_config()
+    assert config.parallel_config.enable_expert_parallel and config.parallel_config.expert_parallel_size == 2
+    for enabled in (True, False):
+        init_distributed(ParallelConfig(enable_expert_parallel=enabled, master_port=_free_port()), 0,
+                         torch.device("cpu"))
+        try:
+            assert (get_ep_group() is get_tp_group()) == enabled
+        finally:
+            destroy_distributed()
+    assert get_ep_group().world_size == 1
 
 
 def test_tp2_through_preemption(tmp_path):

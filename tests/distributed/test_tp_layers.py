@@ -13,14 +13,17 @@ from surge.distributed.parallel_state import TPGroup
 from surge.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from surge.model.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                       RowParallelLinear)
+from surge.model.layers.moe import SparseMoeBlock
 
 
 @pytest.fixture
 def as_rank(monkeypatch):
     monkeypatch.setattr(TPGroup, "all_reduce", lambda self, x: x)
 
-    def set_rank(rank: int, world_size: int) -> None:
-        monkeypatch.setattr(parallel_state, "_TP", TPGroup(rank=rank, world_size=world_size))
+    def set_rank(rank: int, world_size: int, expert_parallel: bool = False) -> None:
+        group = TPGroup(rank=rank, world_size=world_size)
+        monkeypatch.setattr(parallel_state, "_TP", group)
+        monkeypatch.setattr(parallel_state, "_EP", group if expert_parallel else TPGroup())
 
     return set_rank
 
@@ -92,6 +95,40 @@ def test_column_then_row(as_rank, tp):
         row.weight.weight_loader(row.weight, w2)
         total += row(col(x))
     torch.testing.assert_close(total, F.linear(F.linear(x, w1, b1), w2))
+
+
+@pytest.mark.parametrize("tp, ep", [(1, False), (2, False), (4, False), (2, True), (4, True)])
+def test_experts_split_by_intermediate_or_by_expert(as_rank, tp, ep):
+    """Each rank loads per-expert tensors through the weight loader: a slice of every expert without expert
+    parallelism, E / tp whole experts with it; the ranks' partial outputs sum to the plain per-token computation."""
+    torch.manual_seed(4)
+    num_experts, top_k, hidden, inter = 8, 3, 16, 12
+    router = torch.randn(num_experts, hidden)
+    gate, up = torch.randn(num_experts, inter, hidden), torch.randn(num_experts, inter, hidden)
+    down = torch.randn(num_experts, hidden, inter)
+    x = torch.randn(9, hidden)
+    probs = torch.softmax(x @ router.T, dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    expected = torch.stack([sum(w * (down[e] @ (F.silu(gate[e] @ row) * (up[e] @ row)))
+                                for w, e in zip(weights[t], ids[t].tolist())) for t, row in enumerate(x)])
+    total = torch.zeros_like(expected)
+    for rank in range(tp):
+        as_rank(rank, tp, ep)
+        block = SparseMoeBlock(hidden, num_experts, top_k, inter, norm_topk_prob=True)
+        block.gate.weight.weight_loader(block.gate.weight, router)
+        experts = block.experts
+        for e in range(num_experts):
+            for proj, w in (("gate", gate[e]), ("up", up[e]), ("down", down[e])):
+                param = experts.down_proj if proj == "down" else experts.gate_up_proj
+                param.weight_loader(param, w, (proj, e))
+        if ep:
+            assert experts.gate_up_proj.shape == (num_experts // tp, 2 * inter, hidden)
+            assert torch.equal(experts.down_proj[0], down[rank * num_experts // tp])
+        else:
+            assert experts.gate_up_proj.shape == (num_experts, 2 * inter // tp, hidden)
+        total += block(x)  # the all-reduce, by hand
+    torch.testing.assert_close(total, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])

@@ -100,6 +100,9 @@ def test_both_sides_compute_the_same_key_and_it_tracks_the_weights(llama_dir):
     assert key_differences(key, _key(llama_dir, max_model_len=64)) == ["max_model_len"]
     assert key_differences(key, _key(llama_dir, rank=1, tensor_parallel_size=2)) == ["tensor_parallel_size",
                                                                                      "tensor_parallel_rank"]
+    tp2 = _key(llama_dir, rank=1, tensor_parallel_size=2)  # an expert shard is not the tensor-parallel one
+    assert key_differences(tp2, _key(llama_dir, rank=1, tensor_parallel_size=2, enable_expert_parallel=True)) == [
+        "expert_parallel_size"]
     message = describe_key_mismatch(key, _key(llama_dir, dtype="bfloat16"))
     assert message == "key mismatch: dtype (daemon 'float32', engine 'bfloat16')"
     shard = next(llama_dir.glob("*.safetensors"))
