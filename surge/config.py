@@ -5,6 +5,8 @@ arguments into these.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -248,6 +250,58 @@ class WeightCacheConfig:
             raise ValueError(f"weight_cache_dir={self.socket_dir!r} must be a directory path")
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """A KV connector (surge/kv_transfer), as vLLM users write `--kv-transfer-config`: the connector's name, the
+    instance's role (producer saves, consumer loads, both both) and the connector's own settings."""
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict = field(default_factory=dict, hash=False, compare=False)
+    # A module that defines (and registers) a connector of the engine's own: imported by every process.
+    kv_connector_module_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.kv_connector, str) and self.kv_connector):
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} must name a connector")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role={self.kv_role!r} is not supported; choose "
+                             f"{', '.join(KV_ROLES)}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config must be an object, got "
+                             f"{type(self.kv_connector_extra_config).__name__}")
+
+    @property
+    def saves(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def loads(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @staticmethod
+    def parse(value: str | dict | KVTransferConfig) -> KVTransferConfig:
+        """From JSON text or a dict with the keys above; unknown keys are an error naming them."""
+        if isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(KVTransferConfig)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown keys {unknown}; known: {', '.join(sorted(known))}")
+        if "kv_connector" not in value:
+            raise ValueError("kv_transfer_config needs \"kv_connector\" (e.g. \"OffloadingConnector\")")
+        return KVTransferConfig(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -259,6 +313,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs (always so off CUDA)
     warmup_workers: int = 1  # kernel warm-up compile threads; 1 is serial (the default), kernels opt in to more
     weight_cache_config: WeightCacheConfig = field(default_factory=WeightCacheConfig)
+    kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector
 
     def __post_init__(self) -> None:
         if not (isinstance(self.warmup_workers, int) and 1 <= self.warmup_workers <= 64):

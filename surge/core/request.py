@@ -13,6 +13,7 @@ from surge.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks allocated, an asynchronous KV load in flight
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -60,6 +61,10 @@ class Request(TokenSequence):
         self.spec_token_ids: list[int] = []
         self.num_spec_in_flight = 0
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache at first scheduling
+        self.num_external_cached_tokens = 0  # of those, the ones a KV connector supplied
+        self.num_external_pending = 0  # tokens an asynchronous connector load is bringing in
+        self.kv_transfer_params: dict | None = None  # what the connector returns to the client when it finishes
+        self.skip_kv_connector = False  # a connector load for it failed: it is computed without one
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

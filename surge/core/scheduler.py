@@ -16,14 +16,22 @@ from collections import deque
 
 from surge.config import SchedulerConfig
 from surge.core.kv_cache.manager import KVCacheManager
+from surge.core.kv_connector import KVConnectorOutput, SchedulerConnector
 from surge.core.request import Request, RequestStatus
 from surge.core.scheduler_output import NewRequest, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 connector: SchedulerConnector | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.connector = connector
+        # Requests whose KV an asynchronous connector load is bringing in (blocks allocated, not schedulable yet),
+        # and finished ones whose blocks stay held until the connector's save of them is done.
+        self.waiting_for_kv: dict[str, Request] = {}
+        self._held_for_save: dict[str, Request] = {}
+        self.num_failed_kv_loads = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -40,7 +48,12 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_kv or self._held_for_save)
+
+    def has_connector_work(self) -> bool:
+        """True when a step must run for the connector alone: loads in flight, saves to hear back from."""
+        return self.connector is not None and bool(self.waiting_for_kv or self._held_for_save
+                                                   or self.connector.has_pending_work())
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -54,6 +67,9 @@ class Scheduler:
             if req.num_pending_tokens and (self._ends_with_pending(req) or req.num_spec_in_flight):
                 # Its last token is on its way and ends it, or drafts in flight decide where it resumes.
                 i += 1
+                continue
+            if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                i += 1  # the prompt only (scoring): its last chunk is in flight, and that step finishes it
                 continue
             num_spec = self._num_spec_tokens(req)
             num_new = min(req.num_tokens_with_pending - req.num_computed_tokens + num_spec, budget)
@@ -79,18 +95,34 @@ class Scheduler:
             if req.num_pending_tokens:
                 break  # preempted while a step computing its next token is in flight: resume once it arrives
             hit, num_hit = ([], 0)
+            num_external, load_async = 0, False
             if req.num_computed_tokens == 0:
                 hit, num_hit = self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - req.num_computed_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_new > budget:
+                if self.connector is not None and not req.skip_kv_connector:
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_hit)
+                    num_external = max(0, min(num_external, req.num_tokens - 1 - num_hit))
+            num_new = req.num_tokens - req.num_computed_tokens - num_hit - num_external
+            if load_async:
+                num_new = 0  # computed once the load is in
+            elif not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(req, num_new, hit, num_hit):
+            if not self.kv.allocate_slots(req, num_external + num_new, hit, num_hit,
+                                          num_unready_tokens=num_external if load_async else 0):
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
+                req.num_cached_tokens = num_hit + num_external
+                req.num_external_cached_tokens = num_external
             req.num_computed_tokens += num_hit
+            if num_external:
+                self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_external)
+            if load_async:
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                req.num_external_pending = num_external
+                self.waiting_for_kv[req.request_id] = req
+                continue
+            req.num_computed_tokens += num_external
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled[req.request_id] = num_new
@@ -101,15 +133,17 @@ class Scheduler:
             if num_new is None:
                 continue
             end = req.num_computed_tokens + num_new
-            samples = end >= req.num_tokens_with_pending
+            samples = end >= req.num_tokens_with_pending and req.params.max_tokens != 0
             spec = req.spec_token_ids[:end - req.num_tokens_with_pending] if samples else []
             out.scheduled.append(self._scheduled_entry(req, num_new, samples, spec, out))
             req.num_computed_tokens += num_new
             req.num_pending_tokens += samples
             req.num_spec_in_flight = len(spec)
             req.spec_token_ids = []  # proposed anew after the verdict
-        if out.scheduled:  # an empty output is never executed, so it would lose them
+        if out.scheduled or self.has_connector_work():  # an output that is not executed would lose them
             out.finished_ids, self._finished_ids = self._finished_ids, []
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _num_spec_tokens(self, req: Request) -> int:
@@ -152,11 +186,13 @@ class Scheduler:
         (penalties), or it carries draft tokens (proposed after, and verified against, its last token)."""
         return any(r.params.uses_penalties or r.spec_token_ids for r in self.running)
 
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           kv_output: KVConnectorOutput | None = None) -> list[tuple[Request, list[int]]]:
         """Append each request's new tokens (1 + the accepted drafts), stopping at the first that ends it; roll back
-        the rejected drafts' computed tokens and free the KV blocks past the new end.
-        Returns (request, tokens appended) for every request that received tokens this step."""
+        the rejected drafts' computed tokens and free the KV blocks past the new end; take in the connector's
+        finished loads and saves. Returns (request, tokens appended) for every request that received tokens."""
+        if kv_output is not None:
+            self._update_from_connector(kv_output)
         progressed = []
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
@@ -166,6 +202,9 @@ class Scheduler:
             req.num_spec_in_flight -= len(s.spec_token_ids)  # an older chunk's result leaves later drafts in flight
             tokens = sampled.get(s.request_id)
             if not tokens:
+                if req.params.max_tokens == 0 and s.num_computed_tokens + s.num_new_tokens >= req.num_tokens:
+                    self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)  # the prompt only: done
+                    progressed.append((req, []))
                 continue  # a prefill chunk that did not reach the end yet
             num_rejected = len(s.spec_token_ids) - (len(tokens) - 1)
             assert num_rejected >= 0, (s.request_id, s.spec_token_ids, tokens)
@@ -194,6 +233,37 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def _update_from_connector(self, kv_output: KVConnectorOutput) -> None:
+        """Loads that arrived count as computed (the request becomes schedulable); a failed or partial one is
+        recomputed from its local prefix, and counted; a finished save frees the blocks it held."""
+        failed = set(kv_output.failed_recving)
+        for rid in [*kv_output.finished_recving, *kv_output.failed_recving]:
+            req = self.waiting_for_kv.pop(rid, None)
+            if req is None:
+                continue
+            num_external, req.num_external_pending = req.num_external_pending, 0
+            if req.is_finished:  # aborted while its load ran: only now may its blocks go back
+                self.kv.free(req)
+                continue
+            if rid in failed:  # start over without the connector: the blocks may hold part of the load
+                self.num_failed_kv_loads += 1
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                req.num_cached_tokens = -1
+                req.num_external_cached_tokens = 0
+                req.skip_kv_connector = True
+            else:
+                req.num_computed_tokens += num_external
+                self.kv.cache_blocks(req, req.num_computed_tokens)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        for rid in kv_output.finished_sending:
+            req = self._held_for_save.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_output)
+
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """Finish (stop string found by the detokenizer) or abort a request, running or waiting."""
         req = self.requests.pop(request_id, None)
@@ -203,7 +273,17 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        if request_id in self.waiting_for_kv:  # a load still writes its blocks: they are freed when it ends
+            req.status = status
+            self._runner_tokens.pop(request_id, None)
+            return
+        hold = False
+        if self.connector is not None:
+            hold, req.kv_transfer_params = self.connector.request_finished(req, self.kv.get_block_ids(request_id))
+        if hold:
+            self._held_for_save[request_id] = req
+        else:
+            self.kv.free(req)
         req.status = status
         if self._runner_tokens.pop(request_id, None) is not None:  # the runner holds it: tell it to let go
             self._finished_ids.append(request_id)

@@ -44,6 +44,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     preempted_ids: list[str] = []
     # Requests finished since the last non-empty step: the runner drops their state.
     finished_ids: list[str] = []
+    kv_connector_metadata: bytes = b""  # the KV connector's instructions to its worker half (its own encoding)
     shutdown: bool = False  # executors of worker processes: the ranks stop
 
     @property

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 import surge.weight_cache.ipc_loader  # noqa: F401 (registers the weight_cache load format)
-from surge.config import (WEIGHT_CACHE_MODES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                          SchedulerConfig, WeightCacheConfig)
+from surge.config import (WEIGHT_CACHE_MODES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
+                          ParallelConfig, SchedulerConfig, WeightCacheConfig)
 from surge.model.loader.base import load_formats
 from surge.model.models.registry import MODEL_REGISTRY
 from surge.model.presets import preset_model_config
@@ -60,6 +60,9 @@ class EngineArgs:
     weight_cache_fallback: bool = True
     weight_cache_timeout: float = 30.0
     async_scheduling: bool | None = None  # None: on with CUDA
+    # A KV connector, as JSON text or a dict: {"kv_connector": NAME, "kv_role": "kv_both", ...}.
+    kv_transfer_config: str | dict | None = None
+    kv_offload_gib: float | None = None  # the CPU offload tier's size: OffloadingConnector, unless one is named
 
     # ---- command line ----
     @staticmethod
@@ -99,6 +102,14 @@ class EngineArgs:
         g.add_argument("--master-addr", default=d.master_addr, help="address of node 0, where the ranks meet")
         g.add_argument("--master-port", type=int, default=d.master_port, help="port on node 0 where the ranks meet "
                        "(required with --nnodes > 1; default: a free port)")
+        g = p.add_argument_group("KV transfer (reuse prefixes across restarts and instances)")
+        g.add_argument("--kv-transfer-config", default=d.kv_transfer_config, help="a KV connector as JSON, e.g. "
+                       "'{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
+                       "\"kv_connector_extra_config\": {\"cpu_gib\": 8}}' (connectors: OffloadingConnector, "
+                       "MooncakeStoreConnector)")
+        g.add_argument("--kv-offload-gib", type=float, default=d.kv_offload_gib, help="size of the CPU offload "
+                       "tier in GiB: KV blocks of finished prefixes kept in (pinned) host memory, loaded back on a "
+                       "later hit (the OffloadingConnector)")
         g = p.add_argument_group("loading (Fast Start: `surge weight-cache serve` keeps the weights loaded)")
         g.add_argument("--load-format", default=d.load_format, choices=list(_load_format_choices()),
                        help="weight_cache: map the weights from this node's weight-cache daemons")
@@ -161,7 +172,22 @@ class EngineArgs:
             enforce_eager=self.enforce_eager or device.type != "cuda",
             warmup_workers=self.warmup_workers,
             weight_cache_config=weight_cache_config,
+            kv_transfer_config=self.create_kv_transfer_config(),
         )
+
+    def create_kv_transfer_config(self) -> KVTransferConfig | None:
+        if self.kv_offload_gib is not None and not (isinstance(self.kv_offload_gib, (int, float))
+                                                    and self.kv_offload_gib > 0):
+            raise ValueError(f"kv_offload_gib={self.kv_offload_gib!r} must be a positive number of GiB")
+        if self.kv_transfer_config is None:
+            if self.kv_offload_gib is None:
+                return None
+            return KVTransferConfig("OffloadingConnector", "kv_both", {"cpu_gib": float(self.kv_offload_gib)})
+        config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_offload_gib is not None:
+            extra = {"cpu_gib": float(self.kv_offload_gib), **config.kv_connector_extra_config}
+            config = dataclasses.replace(config, kv_connector_extra_config=extra)
+        return config
 
     def create_model_config(self, device: torch.device) -> ModelConfig:
         """From the preset, or from the model directory (the default model's, converted on first use)."""

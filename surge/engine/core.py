@@ -5,6 +5,8 @@ returning per-request outputs (token ids and logprobs; text is the front end's j
 """
 from __future__ import annotations
 
+import time
+
 import msgspec
 import torch
 
@@ -14,6 +16,8 @@ from surge.core.request import Request, RequestStatus
 from surge.core.scheduler import Scheduler
 from surge.core.scheduler_output import SchedulerOutput
 from surge.distributed.lifecycle import freeze_startup_objects
+from surge.kv_transfer.base import KVConnectorRole
+from surge.kv_transfer.factory import create_connector
 from surge.logger import init_logger
 from surge.worker.executor import StepHandle, create_executor
 from surge.worker.model_runner import ModelRunnerOutput
@@ -31,6 +35,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     logprobs: list[tuple[list[int], list[float], int]] | None = None
     # (first prompt position, ids, logprobs, ranks) for the prompt positions computed this step.
     prompt_logprobs: tuple[int, list[list[int]], list[list[float]], list[int]] | None = None
+    # With a request's first output: (queued, first scheduled) in time.monotonic(), which the front end on this host
+    # shares; its queue and prefill time metrics start there.
+    timestamps: tuple[float, float] | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -51,9 +58,12 @@ class EngineCore:
         self.executor = create_executor(config)
         self.kv_cache_manager = KVCacheManager(self.executor.kv_cache_config,
                                                config.cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        # The scheduler half of the KV connector, if any (each worker rank holds the other half).
+        self.kv_connector = create_connector(config, KVConnectorRole.SCHEDULER, self.executor.kv_cache_config)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector)
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._first_scheduled: dict[str, float] = {}  # request id -> when first scheduled, until its first output
         kvc = self.executor.kv_cache_config
         self.max_tokens_in_kv = (kvc.num_blocks - 1) * config.cache_config.block_size
         freeze_startup_objects()
@@ -73,6 +83,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        for rid in request_ids:
+            self._first_scheduled.pop(rid, None)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         for rid in request_ids:
@@ -103,9 +115,17 @@ class EngineCore:
         if self._in_flight is not None and not overlap:
             outputs = self._finish_in_flight()
         sched_out = self.scheduler.schedule()
+        for new in sched_out.new_requests:
+            self._first_scheduled[new.request_id] = time.monotonic()
         if sched_out.is_empty:
             if self._in_flight is not None:
                 return outputs + self._finish_in_flight()
+            if self.scheduler.has_connector_work():  # a step for the connector alone: start loads, hear back
+                result = self.executor.execute(sched_out)
+                if not result.kv_connector_output or not (result.kv_connector_output.finished_recving
+                                                          or result.kv_connector_output.finished_sending):
+                    time.sleep(0.001)  # nothing arrived: do not spin the host while a load runs
+                return outputs + self._process(sched_out, result)
             if not outputs and self.scheduler.has_unfinished_requests():
                 raise RuntimeError("the scheduler could not schedule any waiting request; the KV cache is too small")
             return outputs
@@ -126,8 +146,8 @@ class EngineCore:
         # Requests still known before the update (a finished one is dropped from the scheduler by it).
         live = {s.request_id: req for s in sched_out.scheduled
                 if (req := self.scheduler.requests.get(s.request_id)) is not None}
-        progressed = {req.request_id: tokens for req, tokens in self.scheduler.update_from_output(sched_out,
-                                                                                                   result.sampled)}
+        progressed = {req.request_id: tokens for req, tokens in self.scheduler.update_from_output(
+            sched_out, result.sampled, result.kv_connector_output)}
         outputs = []
         for rid, req in live.items():
             prompt_lp = result.prompt_logprobs.get(rid)
@@ -142,5 +162,7 @@ class EngineCore:
                 stop_reason=req.stop_reason,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 logprobs=lp[:len(tokens)] if lp is not None and tokens else None,
-                prompt_logprobs=prompt_lp))
+                prompt_logprobs=prompt_lp,
+                timestamps=(req.arrival_time, self._first_scheduled.pop(rid)) if rid in self._first_scheduled
+                else None))
         return outputs

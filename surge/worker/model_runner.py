@@ -17,8 +17,11 @@ import torch
 from surge.attention.backend import AttentionMetadata, AttentionShapes, default_backend_name, get_backend
 from surge.config import EngineConfig
 from surge.core.kv_cache.spec import KVCacheConfig, KVCacheGroup, build_kv_cache_groups
+from surge.core.kv_connector import KVConnectorOutput
 from surge.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from surge.distributed.parallel_state import get_tp_group
+from surge.kv_transfer.base import KVConnectorRole
+from surge.kv_transfer.factory import create_connector
 from surge.logger import init_logger
 from surge.model.layers.linear import num_kv_heads_per_rank
 from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs, device_tensor
@@ -45,6 +48,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampled: dict[str, list[int]] = {}  # request id -> new tokens (1 + accepted drafts)
     logprobs: dict[str, list[TokenLogprobs]] = {}  # request id -> one entry per new token
     prompt_logprobs: dict[str, PromptLogprobs] = {}
+    kv_connector_output: KVConnectorOutput | None = None  # with a KV connector: loads and saves that finished
 
 
 def available_memory(device: torch.device) -> int:
@@ -96,6 +100,10 @@ class ModelRunner:
         self.backend = get_backend(default_backend_name(self.device))
         self.kv_cache_config = self._size_kv_cache()
         self._allocate_kv_cache()
+        # The worker half of the KV connector, if any: it moves blocks between these caches and its store.
+        self.kv_connector = create_connector(config, KVConnectorRole.WORKER, self.kv_cache_config)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
         self.requests = RequestStates(len(self.kv_cache_config.groups), self.device)
         cc, sc = config.cache_config, config.scheduler_config
         self.inputs = StepInputs(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs,
@@ -176,12 +184,17 @@ class ModelRunner:
         too, where the next step reads any token it needs before the host has it."""
         states = self.requests.apply(out)
         pending = PendingOutput()
-        if out.is_empty:
-            return pending
-        batch = self.prepare_inputs(out.scheduled, states)
-        hidden = self.forward(batch)
-        self.compute_prompt_logprobs(batch, hidden, pending)
-        self.sample(batch, hidden, pending)
+        connector = self.kv_connector
+        if connector is not None:
+            connector.start_load_kv(out.kv_connector_metadata)  # synchronous loads land before the forward
+        if not out.is_empty:
+            batch = self.prepare_inputs(out.scheduled, states)
+            hidden = self.forward(batch)
+            self.compute_prompt_logprobs(batch, hidden, pending)
+            self.sample(batch, hidden, pending)
+        if connector is not None:
+            connector.save_kv()
+            pending.kv_output = connector.get_finished()
         if self.device.type == "cuda":
             pending.done = torch.cuda.Event()
             pending.done.record()
@@ -283,6 +296,7 @@ class PendingOutput:
     sampled: torch.Tensor | None = None
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     prompt_logprobs: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    kv_output: KVConnectorOutput | None = None
 
     def ready(self) -> bool:
         """True once result() would not wait."""
@@ -291,7 +305,7 @@ class PendingOutput:
     def result(self) -> ModelRunnerOutput:
         if self.done is not None:
             self.done.synchronize()
-        result = ModelRunnerOutput()
+        result = ModelRunnerOutput(kv_connector_output=self.kv_output)
         if self.sampled is not None:
             result.sampled = {rid: [token] for rid, token in zip(self.sample_ids, self.sampled.tolist())}
         if self.logprobs is not None:

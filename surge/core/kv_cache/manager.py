@@ -180,8 +180,11 @@ class KVCacheManager:
         return hits, shortest * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       hit: list[list[Block]] | None = None, num_hit_tokens: int = 0) -> bool:
-        """Make room for num_new_tokens more tokens after the computed (and hit) ones; all groups or none."""
+                       hit: list[list[Block]] | None = None, num_hit_tokens: int = 0,
+                       num_unready_tokens: int = 0) -> bool:
+        """Make room for num_new_tokens more tokens after the computed (and hit) ones; all groups or none. The last
+        num_unready_tokens of them (an asynchronous load in flight) are not offered to the prefix cache yet:
+        `cache_blocks` does it once they hold their KV."""
         num_computed = request.num_computed_tokens + num_hit_tokens
         hit = hit or [[] for _ in self.managers]
         for m in self.managers:
@@ -192,9 +195,16 @@ class KVCacheManager:
                 return False
         for m, h in zip(self.managers, hit):
             m.allocate(request.request_id, total, h)
-            if self.enable_caching and m.group.spec.prefix_cacheable:
-                m.cache_blocks(request, total)
+        self.cache_blocks(request, total - num_unready_tokens)
         return True
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Offer the request's complete blocks among its first num_tokens positions to the prefix cache."""
+        if not self.enable_caching:
+            return
+        for m in self.managers:
+            if m.group.spec.prefix_cacheable:
+                m.cache_blocks(request, num_tokens)
 
     def free(self, request: Request) -> None:
         for m in self.managers:
