@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -17,9 +18,56 @@ from surge.sampling_params import SamplingParams
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None, help="random-weight model from a built-in config: qwen3-8b, "
-                   "llama3.1-8b, tiny-llama, tiny-qwen3-hybrid (instead of --model)")
+                   "qwen3-30b-a3b, llama3.1-8b, tiny-llama, tiny-qwen3-hybrid, tiny-qwen3-moe (instead of --model)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--warmup-workers", type=int, default=1, help="kernel warm-up compile threads (1: serial)")
+
+
+@dataclass(frozen=True)
+class ActiveWeights:
+    """What a step reads and computes of a model's weights. Dense: everything, every step. Mixture of experts: the
+    weights outside the experts, plus per MoE layer the experts the step's tokens were routed to."""
+    params: int  # every parameter
+    nbytes: int
+    expert_params: int  # the experts' (stacked gate|up and down), all layers
+    expert_bytes: int
+    num_experts: int  # per MoE layer (0: dense)
+    top_k: int
+
+    @staticmethod
+    def of(model: torch.nn.Module) -> ActiveWeights:
+        from surge.model.layers.moe import FusedMoE, SparseMoeBlock
+
+        experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        ps = [p for m in experts for p in m.parameters()]
+        return ActiveWeights(params=sum(p.numel() for p in model.parameters()),
+                             nbytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                             expert_params=sum(p.numel() for p in ps),
+                             expert_bytes=sum(p.numel() * p.element_size() for p in ps),
+                             num_experts=experts[0].num_experts if experts else 0,
+                             top_k=blocks[0].top_k if blocks else 0)
+
+    def experts_touched(self, num_tokens: int) -> float:
+        """Experts of a layer that num_tokens tokens reach: exactly top_k for one token; for more, the expectation
+        under uniform routing, E * (1 - (1 - k / E) ** T)."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** num_tokens)
+
+    def step_bytes(self, num_tokens: int) -> float:
+        """Weight bytes one forward over num_tokens tokens reads."""
+        if not self.num_experts:
+            return float(self.nbytes)
+        share = self.experts_touched(num_tokens) / self.num_experts
+        return self.nbytes - self.expert_bytes + share * self.expert_bytes
+
+    @property
+    def params_per_token(self) -> float:
+        """Parameters each token multiplies by (for FLOPs): all but the experts, and top_k experts per layer."""
+        if not self.num_experts:
+            return float(self.params)
+        return self.params - self.expert_params + self.top_k / self.num_experts * self.expert_params
 
 
 def make_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,

@@ -1,4 +1,5 @@
-"""GPU check and microbenchmark of every Surge kernel at Qwen3-8B shapes: `python -m surge.bench.kernels`.
+"""GPU check and microbenchmark of every Surge kernel at Qwen3-8B shapes (the fused MoE at Qwen3-30B-A3B's):
+`python -m surge.bench.kernels`.
 Each line: the case, its time, what it achieved (GB/s; TFLOP/s for prefill attention), its check against torch.
 """
 # The ceilings to read the numbers against are measured in the same run. The sampler's figure (256 rows, top-k 50,
@@ -360,10 +361,40 @@ def check_sampler_target(rows: int = 256, top_k: int = 50, top_p: float = 0.9) -
         failures.append("sampler target")
 
 
+def check_moe() -> None:
+    """Qwen3-30B-A3B's experts (128, top 8, hidden 2048, intermediate 768): the fused kernel against the torch path
+    (the CPU path, one GEMM pair per expert reached, timed eagerly); GB/s over the experts the batch reaches,
+    TFLOP/s over the pairs, the error against the float32 torch reference on the same bf16 inputs."""
+    import triton.testing
+
+    from surge.kernels.fused_moe import fused_moe, launch_policy
+    from surge.kernels.reference import fused_moe as torch_moe
+
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=DTYPE) / hidden ** 0.5
+    down = torch.randn(experts, hidden, inter, device="cuda", dtype=DTYPE) / inter ** 0.5
+    gate_up32, down32 = gate_up.float(), down.float()
+    per_expert = 3 * hidden * inter * DTYPE.itemsize
+    for tokens in (1, 8, 64, 256, 2048):
+        x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE)
+        weights, ids = torch.randn(tokens, experts, device="cuda").softmax(-1).topk(top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(DTYPE)
+        reached = ids.unique().numel()
+        err = max_err(fused_moe(x, gate_up, down, weights, ids), torch_moe(x.float(), gate_up32, down32,
+                                                                            weights.float(), ids))
+        seconds = bench(lambda: fused_moe(x, gate_up, down, weights, ids))
+        torch_seconds = triton.testing.do_bench(lambda: torch_moe(x, gate_up, down, weights, ids), rep=50) * 1e-3
+        nbytes = reached * per_expert + tokens * (2 * hidden + top_k * (3 * inter + hidden)) * DTYPE.itemsize
+        launch = launch_policy(tokens, top_k, experts, hidden, inter)
+        report(f"moe T={tokens} ({reached} experts, block_m {launch.block_m})", seconds, nbytes=nbytes,
+               flops=2 * tokens * top_k * 3 * hidden * inter, err=err, tol=2e-2,
+               extra=f"torch path {torch_seconds * 1e6:.0f} us ({torch_seconds / seconds:.1f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes")
-    parser.add_argument("--only", choices=["layers", "attention", "sampling"], help="one group of kernels")
+    parser.add_argument("--only", choices=["layers", "attention", "sampling", "moe"], help="one group of kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("surge.bench.kernels needs a CUDA device (on the CPU: TRITON_INTERPRET=1 pytest tests/kernels)")
@@ -375,6 +406,8 @@ def main() -> None:
         check_attention(args.quick)
     if args.only in (None, "sampling"):
         check_sampling(args.quick)
+    if args.only in (None, "moe"):
+        check_moe()
     if failures:
         sys.exit(f"FAILED: {', '.join(failures)}")
     print("# all checks passed")

@@ -1,6 +1,6 @@
 """`surge bench latency`: per batch size, prefill time and time per output token, with what the hardware achieved:
-decode GB/s (weights + KV read per step) and MBU against a copy bandwidth measured in the same run, prefill
-TFLOP/s and MFU against a GEMM peak measured in the same run."""
+decode GB/s (weights + KV read per step; of a mixture of experts, the experts reached) and MBU against a copy
+bandwidth measured in the same run, prefill TFLOP/s and MFU against a GEMM peak measured in the same run."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from surge.bench.common import add_model_args, build_engine, hf_model_for, make_workload, run_engine
+from surge.bench.common import ActiveWeights, add_model_args, build_engine, hf_model_for, make_workload, run_engine
 
 
 def add_latency_args(p: argparse.ArgumentParser) -> None:
@@ -75,17 +75,21 @@ def _timed(engine, workload, repeats: int) -> float:
 def run_latency(args: argparse.Namespace) -> None:
     engine = build_engine(args)
     mc, dev = engine.config.model_config, engine.config.device
-    model = engine.executor.model
-    params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = ActiveWeights.of(engine.executor.model)
+    params, weight_bytes = weights.params, weights.nbytes
     embed = mc.vocab_size * mc.hf_config["hidden_size"]
-    dense_params = params - embed  # the embedding is a lookup; the LM head runs once per sequence in prefill
+    # Per prompt token: the embedding is a lookup, the LM head runs once per sequence in prefill; a mixture of
+    # experts multiplies each token by its top-k experts only.
+    dense_params = weights.params_per_token - embed
     if not mc.hf_config.get("tie_word_embeddings"):
         dense_params -= embed
     kv_bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
     copy_bw = measure_copy_bandwidth(dev)
     peak = measure_gemm_peak(dev, mc.dtype)
-    print(f"model {mc.model} ({params / 1e9:.2f}B params, {weight_bytes / 1e9:.2f} GB, {mc.dtype}, {dev}); "
+    active = (f", {weights.params_per_token / 1e9:.2f}B active per token: MBU counts the experts a decode step "
+              f"reaches, top-{weights.top_k} of {weights.num_experts} per layer for one token and the expectation "
+              "under uniform routing for more" if weights.num_experts else "")
+    print(f"model {mc.model} ({params / 1e9:.2f}B params{active}, {weight_bytes / 1e9:.2f} GB, {mc.dtype}, {dev}); "
           f"engine ready in {engine.startup_seconds:.1f} s; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s, "
           f"{mc.dtype} GEMM peak {peak / 1e12:.1f} TFLOP/s", flush=True)
     run_engine(engine, make_workload(2, 16, 4, 0, mc.vocab_size, 1), show_progress=False)  # warm-up
@@ -95,7 +99,7 @@ def run_latency(args: argparse.Namespace) -> None:
         total = _timed(engine, workload, args.repeats)
         tpot = (total - prefill) / max(args.output_len - 1, 1)
         ctx = args.input_len + args.output_len / 2
-        decode_bytes = weight_bytes + bs * ctx * kv_bytes_per_token
+        decode_bytes = weights.step_bytes(bs) + bs * ctx * kv_bytes_per_token
         tokens = bs * args.input_len
         flops = 2 * dense_params * tokens + 2 * bs * embed
         flops += 2 * mc.num_layers * mc.hf_config["num_attention_heads"] * mc.head_dim * bs * args.input_len ** 2

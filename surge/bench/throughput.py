@@ -2,7 +2,8 @@
 optionally side by side with HF transformers on the same weights and workload, in the same process.
 
 The HF peer is `generate` (static batches, left-padded) on CPU and `generate_batch`-style continuous batching on
-CUDA. Prints requests/s, output and total tokens/s, and the compute rate the tokens imply (2 x params FLOP/token).
+CUDA. Prints requests/s, output and total tokens/s, and the compute rate the tokens imply (2 x params FLOP/token;
+of a mixture of experts, the params each token is routed through).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import torch
 
-from surge.bench.common import add_model_args, build_engine, hf_model_for, make_workload, run_engine
+from surge.bench.common import ActiveWeights, add_model_args, build_engine, hf_model_for, make_workload, run_engine
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
@@ -29,11 +30,12 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-batch-size", type=int, default=None, help="HF generate batch size (default: all prompts)")
 
 
-def _report(name: str, seconds: float, out_tokens: int, in_tokens: int, num_requests: int, num_params: int) -> float:
+def _report(name: str, seconds: float, out_tokens: int, in_tokens: int, num_requests: int,
+            num_params: float) -> float:
     total = out_tokens + in_tokens
     tflops = 2 * num_params * total / seconds / 1e12
     print(f"{name:>16}: {seconds:8.2f} s  {num_requests / seconds:8.2f} req/s  {out_tokens / seconds:10.1f} output "
-          f"tok/s  {total / seconds:10.1f} total tok/s  {tflops:8.3f} TFLOP/s (2 x params x tokens)", flush=True)
+          f"tok/s  {total / seconds:10.1f} total tok/s  {tflops:8.3f} TFLOP/s (2 x active params x tokens)", flush=True)
     return out_tokens / seconds
 
 
@@ -42,9 +44,12 @@ def run_throughput(args: argparse.Namespace) -> None:
     mc = engine.config.model_config
     workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, mc.vocab_size,
                              args.workload_seed, args.input_len_max, args.output_len_max)
-    num_params = sum(p.numel() for p in engine.executor.model.parameters())
+    weights = ActiveWeights.of(engine.executor.model)
+    num_params = weights.params_per_token  # a mixture of experts: top-k experts per token
     in_tokens, out_tokens = sum(len(p) for p, _ in workload), sum(o for _, o in workload)
-    print(f"model {mc.model} ({mc.architecture}, {num_params / 1e9:.2f}B params, {mc.dtype}, {engine.config.device}); "
+    active = f", {num_params / 1e9:.2f}B active per token" if weights.num_experts else ""
+    print(f"model {mc.model} ({mc.architecture}, {weights.params / 1e9:.2f}B params{active}, {mc.dtype}, "
+          f"{engine.config.device}); "
           f"{len(workload)} prompts, {in_tokens} input and {out_tokens} output tokens; "
           f"engine ready in {engine.startup_seconds:.1f} s", flush=True)
     hf = hf_model_for(engine) if args.compare_hf else None  # the engine takes HF's weights: same model

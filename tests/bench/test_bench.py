@@ -42,3 +42,25 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_moe_preset_against_hf_and_its_active_weights(capsys):
+    """tiny-qwen3-moe: the HF peer (its experts stacked in memory) loads into Surge and decodes the same tokens; the
+    bytes a decode step reads count the experts it reaches: top-k per layer for one token, all of them for many."""
+    import torch
+
+    from surge.bench.common import ActiveWeights
+    from surge.model.loader.base import build_model
+    from surge.model.presets import preset_model_config
+
+    assert main(["bench", "latency", "--preset", "tiny-qwen3-moe", "--batch-sizes", "1", "--input-len", "16",
+                 "--output-len", "6", "--repeats", "1", "--compare-hf"]) == 0
+    out = capsys.readouterr().out
+    assert "active per token" in out and "greedy identical: True" in out
+    model = build_model(preset_model_config("tiny-qwen3-moe", "float32", torch.device("cpu")), torch.device("meta"))
+    w = ActiveWeights.of(model)
+    per_expert = 3 * 256 * 128 * 4  # gate, up and down of hidden 256 x intermediate 128, float32
+    assert (w.num_experts, w.top_k, w.expert_bytes) == (16, 4, 3 * 16 * per_expert)  # 3 sparse layers of 4
+    assert w.experts_touched(1) == 4 and w.step_bytes(1) == w.nbytes - w.expert_bytes + 3 * 4 * per_expert
+    assert w.experts_touched(10_000) == 16 and w.step_bytes(10_000) == w.nbytes
+    assert w.params_per_token == w.params - w.expert_params * 3 / 4
