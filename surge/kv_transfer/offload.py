@@ -204,7 +204,8 @@ class OffloadingConnector(KVConnectorBase):
         for g in self.groups:
             layers = self.kv_cache_config.groups[g].layer_ids
             page = kv_caches[layers[0]][:, 0].shape  # (2, block_size, heads, head_dim)
-            self._pool[g] = torch.zeros((len(layers), num_slots, *page), dtype=kv_caches[layers[0]].dtype,
+            # A slot is one contiguous run of every layer's block: consecutive slots cross in one copy.
+            self._pool[g] = torch.zeros((num_slots, len(layers), *page), dtype=kv_caches[layers[0]].dtype,
                                         pin_memory=pin)
         self._stream = torch.cuda.Stream(kv_caches[0].device) if pin else None
         self._load_stream = torch.cuda.Stream(kv_caches[0].device) if pin else None
@@ -243,8 +244,8 @@ class OffloadingConnector(KVConnectorBase):
                 self._failed_recving.add(job.request_id)
 
     def _copy_in(self, job: CopyJob) -> None:
-        """The job's pool slots into its blocks, per stored group: one gather on the host, one copy to the device,
-        one scatter per layer."""
+        """The job's pool slots into its blocks, per stored group: a copy per run of consecutive slots from the
+        (pinned) pool straight to the device, then one scatter per layer."""
         start = time.perf_counter()
         nbytes = 0
         for j, g in enumerate(self.groups):
@@ -252,15 +253,15 @@ class OffloadingConnector(KVConnectorBase):
             if not copies:
                 continue
             layers = self.kv_cache_config.groups[g].layer_ids
-            host = self._pool[g].index_select(1, torch.tensor([s for s, _ in copies]))  # [layers, n, 2, bs, H, D]
+            pool = self._pool[g]
             device = self._caches[layers[0]].device
-            if device.type == "cuda":
-                host = host.pin_memory()
-            dev = host.to(device, non_blocking=True)
+            staging = torch.empty((len(copies), *pool.shape[1:]), dtype=pool.dtype, device=device)
+            for first, lo, hi in _runs([slot for slot, _ in copies]):
+                staging[first:first + hi - lo].copy_(pool[lo:hi], non_blocking=True)
             ids = torch.tensor([b for _, b in copies], device=device)
-            for li, layer in enumerate(layers):
-                self._caches[layer].index_copy_(1, ids, dev[li].transpose(0, 1))
-            nbytes += host.numel() * host.element_size()
+            for li, layer in enumerate(layers):  # [n, 2, bs, H, D] -> the cache's [2, n, bs, H, D] at ids
+                self._caches[layer].index_copy_(1, ids, staging[:, li].transpose(0, 1))
+            nbytes += staging.numel() * staging.element_size()
         with self._lock:
             self._stats.loaded_bytes += nbytes
             self._stats.load_seconds += time.perf_counter() - start
@@ -276,6 +277,8 @@ class OffloadingConnector(KVConnectorBase):
         self._loads_in_flight = still
 
     def save_kv(self) -> None:
+        """Finished requests' blocks into their pool slots: gathered on the device, then one copy per run of
+        consecutive slots straight into the (pinned) pool, on the save stream."""
         meta = self._meta_in
         if meta is None or not meta.saves:
             return
@@ -283,39 +286,39 @@ class OffloadingConnector(KVConnectorBase):
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         for job in meta.saves:
-            parts = []
+            nbytes, keep = 0, []
             with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
                 for j, g in enumerate(self.groups):
                     copies = [(c.slot, c.block_ids[j]) for c in job.copies if c.block_ids[j] >= 0]
                     if not copies:
                         continue
                     layers = self.kv_cache_config.groups[g].layer_ids
-                    device = self._caches[layers[0]].device
-                    ids = torch.tensor([b for _, b in copies], device=device)
-                    gathered = torch.stack([self._caches[layer].index_select(1, ids).transpose(0, 1)
-                                            for layer in layers])  # [layers, n, 2, bs, H, D]
-                    host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self._stream is not None)
-                    host.copy_(gathered, non_blocking=True)
-                    parts.append((g, [s for s, _ in copies], host))
+                    pool = self._pool[g]
+                    ids = torch.tensor([b for _, b in copies], device=self._caches[layers[0]].device)
+                    # [layers, 2, n, bs, H, D] -> [n, layers, 2, bs, H, D]: a slot's layers side by side
+                    gathered = torch.stack([self._caches[layer].index_select(1, ids) for layer in layers])
+                    gathered = gathered.permute(2, 0, 1, 3, 4, 5).contiguous()
+                    for first, lo, hi in _runs([slot for slot, _ in copies]):
+                        pool[lo:hi].copy_(gathered[first:first + hi - lo], non_blocking=True)
+                    nbytes += gathered.numel() * gathered.element_size()
+                    keep.append(gathered)  # alive until the copies are done
             event = None
             if self._stream is not None:
                 event = torch.cuda.Event()
                 event.record(self._stream)
-            self._pending_saves.append((job.request_id, event, parts, start))
+            self._pending_saves.append((job.request_id, event, (nbytes, keep), start))
         self._finish_saves(wait=False)
 
     def _finish_saves(self, wait: bool) -> None:
-        """Saves whose copies have landed go into the pool; their requests may free their blocks."""
+        """Saves whose copies have landed: their requests may free their blocks, loads may read their slots."""
         still = []
-        for rid, event, parts, start in self._pending_saves:
+        for rid, event, (nbytes, keep), start in self._pending_saves:
             if event is not None and not wait and not event.query():
-                still.append((rid, event, parts, start))
+                still.append((rid, event, (nbytes, keep), start))
                 continue
             if event is not None:
                 event.synchronize()
-            for g, slots, host in parts:
-                self._pool[g][:, slots] = host
-                self._stats.saved_bytes += host.numel() * host.element_size()
+            self._stats.saved_bytes += nbytes
             self._stats.save_seconds += time.perf_counter() - start
             self._done_sending.add(rid)
         self._pending_saves = still
@@ -339,3 +342,13 @@ class OffloadingConnector(KVConnectorBase):
         out.finished_recving = sorted(over - failed_anywhere)
         out.failed_recving = sorted(failed_anywhere)
         return out
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(index in the list, first slot, end slot) of each run of consecutive slots."""
+    runs, first = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((first, slots[first], slots[i - 1] + 1))
+            first = i
+    return runs

@@ -65,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from surge.entrypoints.openai.app import run_server
     run_server(EngineArgs.from_cli_args(args), host=args.host, port=args.port,
                api_key=args.api_key or envs.SURGE_API_KEY, served_model_names=args.served_model_name,
-               log_level=args.log_level, access_log=not args.no_access_log)
+               log_level=args.log_level, access_log=not args.no_access_log, metrics_prefix=args.metrics_prefix)
     return 0
 
 
@@ -95,6 +95,12 @@ def cmd_bench_parity(args: argparse.Namespace) -> int:
 def cmd_bench_startup(args: argparse.Namespace) -> int:
     from surge.bench.startup import run_startup
     return run_startup(args)
+
+
+def cmd_bench_prefix_reuse(args: argparse.Namespace) -> int:
+    from surge.bench.prefix_reuse import run_prefix_reuse
+    run_prefix_reuse(args)
+    return 0
 
 
 def cmd_weight_cache_serve(args: argparse.Namespace) -> int:
@@ -134,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     g.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+    g.add_argument("--metrics-prefix", default="surge", help="prefix of the /metrics names (default: surge); "
+                   "'vllm' gives vLLM's exact names, for its dashboards and alerts")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("model-path", help="print the default model's directory (preparing it if needed)")
@@ -175,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p)
     add_startup_args(p)
     p.set_defaults(func=cmd_bench_startup)
+    from surge.bench.prefix_reuse import add_prefix_reuse_args
+    p = bench.add_parser("prefix-reuse", help="requests sharing a long prefix: cold, local prefix caching, the "
+                         "offload tier after eviction, the Mooncake store after a restart; TTFT side by side")
+    EngineArgs.add_cli_args(p)
+    add_prefix_reuse_args(p)
+    p.set_defaults(func=cmd_bench_prefix_reuse)
     from surge.bench.serve import add_serve_bench_args
     p = bench.add_parser("serve", help="online benchmark against any OpenAI-compatible server")
     add_serve_bench_args(p)
