@@ -48,6 +48,15 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found
     num_preemptions: int
+    # The KV connector's (zero without one): prompt tokens it supplied, bytes and seconds moved, failed loads,
+    # share of its own storage in use.
+    kv_external_hit_tokens: int = 0
+    kv_loaded_bytes: int = 0
+    kv_saved_bytes: int = 0
+    kv_load_seconds: float = 0.0
+    kv_save_seconds: float = 0.0
+    kv_failures: int = 0
+    kv_storage_usage: float = 0.0
 
 
 class EngineCore:
@@ -103,9 +112,17 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
-        return SchedulerStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-                              kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_queries,
-                              prefix_cache_hits=kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions)
+        stats = SchedulerStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                               kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_queries,
+                               prefix_cache_hits=kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions)
+        if self.kv_connector is not None:
+            c = self.kv_connector.stats
+            stats.kv_external_hit_tokens, stats.kv_loaded_bytes, stats.kv_saved_bytes = (
+                c.external_hit_tokens, c.loaded_bytes, c.saved_bytes)
+            stats.kv_load_seconds, stats.kv_save_seconds, stats.kv_storage_usage = (
+                c.load_seconds, c.save_seconds, c.pool_usage)
+            stats.kv_failures = c.failures  # failed or partial loads (recomputed) and store errors
+        return stats
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and run one step; returns the outputs of the step that finished. With async scheduling that is
