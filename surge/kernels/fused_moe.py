@@ -74,7 +74,6 @@ def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     group_start = padded_end - padded
-    group_start[num_experts] = padded_rows  # the remote bucket's pairs land on one discarded row
     order = torch.argsort(bucket, stable=True)
     sorted_bucket = bucket[order]
     rank_in_group = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_bucket]
