@@ -5,9 +5,12 @@ Field names and meanings follow vLLM's, so users can bring their code unchanged.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+# Temperatures below this are greedy (vLLM's threshold): logits / 1e-38 overflows to inf and the softmax to NaN.
+_GREEDY_TEMPERATURE = 1e-5
 
 
 def _check(ok: bool, name: str, value, allowed: str) -> None:
@@ -26,7 +29,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    max_tokens: int | None = 16  # None: up to the model's context length
+    max_tokens: int | None = 16  # None: up to the model's context length; 0: compute the prompt only (scoring)
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -46,18 +49,23 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0 (0 means greedy)")
-        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature", self.temperature,
+               "must be a finite number >= 0 (0, or anything below 1e-5, means greedy)")
+        if self.temperature < _GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
                "must be an integer >= 1, or 0 / -1 to disable")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
                "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
                "must be in [-2, 2]")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be > 0")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-               "max_tokens", self.max_tokens, "must be an integer >= 1, or None")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0.0, "repetition_penalty",
+               self.repetition_penalty, "must be a finite number > 0")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
+               "max_tokens", self.max_tokens, "must be an integer >= 1, 0 (the prompt only, e.g. for its "
+               "prompt_logprobs), or None")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
                "must be an integer >= 0")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
@@ -90,3 +98,7 @@ class SamplingParams:
 
     def clone(self, **overrides) -> SamplingParams:
         return dataclasses.replace(self, **overrides)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -33,6 +33,16 @@ def _byte_run_ids(tokenizer: Tokenizer, skip_special_tokens: bool) -> frozenset[
     return frozenset(ids)
 
 
+@functools.lru_cache(maxsize=16)
+def _special_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    return frozenset(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+
+
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """Ids a decode with skip_special_tokens=True leaves out."""
+    return _special_ids(_backend(tokenizer))
+
+
 @functools.lru_cache(maxsize=1 << 18)
 def decode_token(tokenizer, token_id: int) -> str:
     """One token's text on its own, as logprob entries show it; cached since top-N logprobs repeat tokens."""
@@ -52,6 +62,8 @@ class IncrementalDetokenizer:
         self._stop: list[str] = list(params.stop or [])
         self._include_stop = params.include_stop_str_in_output
         self._max_stop_len = max(map(len, self._stop), default=0)
+        # Like EOS and stop token ids, stop strings cannot end the output before min_tokens tokens (as in vLLM).
+        self._min_tokens = params.min_tokens
         # Text that may still turn out to start a stop string; none when a matched stop string stays in the output.
         self._holdback = 0 if self._include_stop else max(self._max_stop_len - 1, 0)
 
@@ -65,6 +77,7 @@ class IncrementalDetokenizer:
         if not self._byte_run_ids:
             self._stream = DecodeStream(ids=context, skip_special_tokens=self._skip_special_tokens)
         self._ids = context  # the context, then every generated token
+        self._num_context = len(context)
         self._prefix_offset = 0  # vLLM's offsets: ids[prefix_offset:num_read] decode to text already released,
         self._num_read = len(context)  # and ids from num_read on are held back (mid-character)
         self._text = ""  # released text: final, it only grows
@@ -94,8 +107,8 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append generated tokens; return the stop string that matched (the text then ends before it, or
-        includes it when params.include_stop_str_in_output), else None. After a match, callers stop the request
-        and any further tokens are ignored."""
+        includes it when params.include_stop_str_in_output), else None. Only a match that a token after the first
+        min_tokens completes counts. After a match, callers stop the request and any further tokens are ignored."""
         if self._final_text is not None:
             return None
         num_released = len(self._text)
@@ -106,7 +119,8 @@ class IncrementalDetokenizer:
                 self._text += chunk
                 self._prefix_offset, self._num_read = self._num_read, len(self._ids)
         self._held_text = "" if self._num_read == len(self._ids) else None
-        if not self._stop or len(self._text) == num_released:
+        num_generated = len(self._ids) - self._num_context
+        if not self._stop or len(self._text) == num_released or num_generated <= self._min_tokens:
             return None
         # Stop strings are searched in released text only, whose characters are final. Earlier text held none
         # (else the request would have stopped), so a new match ends past it.

@@ -279,3 +279,24 @@ def test_decoder_that_rewrites_released_text_does_not_break_the_stream():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
     detok, stop, _, _ = feed(tokenizer, [], [0, 1, 2, 0], SamplingParams())
     assert stop is None and detok.output_text.endswith("ca")
+
+
+def test_stop_strings_wait_for_min_tokens(byte_bpe):
+    """As EOS and stop token ids, a stop string cannot end the output within its first min_tokens tokens: only a
+    match that a later token completes counts (vLLM's rule). Reference: a plain scan, token by token."""
+    output = byte_bpe.encode("stop here, then stop again and stop", add_special_tokens=False)
+    texts = [byte_bpe.decode(output[:t]) for t in range(len(output) + 1)]
+    for min_tokens in range(len(output) + 1):
+        expected = None
+        for t in range(min_tokens + 1, len(output) + 1):  # the first token after min_tokens completing a match
+            begin = texts[t].find("stop", max(0, len(texts[t - 1]) - len("stop") + 1))
+            if begin >= 0:
+                expected = texts[t][:begin]
+                break
+        detok, stop, _, _ = feed(byte_bpe, [], output, SamplingParams(stop=["stop"], min_tokens=min_tokens, max_tokens=None),
+                                 [1] * len(output))
+        if expected is None:
+            assert stop is None and detok.output_text == texts[-1], min_tokens
+        else:
+            assert (stop, detok.output_text) == ("stop", expected), min_tokens
+    assert expected is None  # past every match: the text runs to the end

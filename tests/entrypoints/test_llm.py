@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from surge import LLM, SamplingParams
 from tiny_models import make_tiny_model
@@ -106,6 +107,30 @@ def test_stop_conditions(model_dir):
     assert len(out.token_ids) == 64 - 57 and out.finish_reason == "length"
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_max_tokens_zero_scores_the_prompt_only(model_dir, async_scheduling):
+    """max_tokens=0: the prompt's logprobs (HF's), nothing generated; prompts longer than a step's budget take
+    several chunks, beside requests that do generate."""
+    llm = LLM(model_dir, block_size=4, kv_cache_memory=1 << 22, max_model_len=128, max_num_batched_tokens=16,
+              async_scheduling=async_scheduling)
+    prompts = _prompts()
+    scoring = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    outs = llm.generate(prompts, [scoring if i % 3 else GREEDY for i in range(len(prompts))], use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        if i % 3 == 0:
+            assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+            continue
+        assert (out.outputs[0].token_ids, out.outputs[0].text, out.outputs[0].finish_reason) == ([], "", "length")
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), dim=-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for j in range(1, len(prompt)):
+            assert out.prompt_logprobs[j][prompt[j]].logprob == pytest.approx(ref[j - 1, prompt[j]].item(), abs=1e-4)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv_cache_manager.usage == 0.0
+
+
 def test_abort_frees_blocks(model_dir):
     llm = LLM(model_dir, block_size=4, kv_cache_memory=1 << 22, max_model_len=128)
     rid = llm._add_request([5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=50, ignore_eos=True))
@@ -120,7 +145,9 @@ def test_abort_frees_blocks(model_dir):
 
 @pytest.mark.parametrize("kwargs, name", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-5), "top_k"),
-    (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
+    (dict(min_p=2), "min_p"), (dict(max_tokens=-1), "max_tokens"), (dict(n=0), "n"),
+    (dict(temperature=float("inf")), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     (dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(logprobs=99), "logprobs"), (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(stop=[""]), "stop"),
 ])

@@ -218,3 +218,23 @@ def test_exponential_noise_keeps_seeded_rows_on_their_generators():
     assert noise[2].tolist() == [1.0] * V and (noise[1] > 0).all()
     tiny = torch.finfo(torch.float32).tiny
     assert (_exponential_noise([row()], V, torch.device("cpu")) >= tiny).all()
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 1e-6])
+def test_tiny_temperature_is_greedy(temperature):
+    """logits / 1e-38 overflows to inf and the softmax to NaN; below 1e-5 a temperature means greedy (as vLLM)."""
+    torch.manual_seed(3)
+    logits = torch.randn(8, V) * 5
+    logits[:, 0] = -10.0  # a NaN softmax would pick id 0
+    argmax = [int(np.argmax(r)) for r in logits.numpy()]
+    assert Sampler()(logits, [row(temperature=temperature) for _ in range(8)]).sampled_token_ids.tolist() == argmax
+    # Beside rows that sample, with filters on: still the argmax.
+    rows = [row(temperature=temperature, top_k=3, top_p=0.9) if i % 2 == 0 else row(temperature=1.0, seed=i)
+            for i in range(8)]
+    assert Sampler()(logits, rows).sampled_token_ids.tolist()[::2] == argmax[::2]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0])
+def test_temperature_must_be_finite_and_non_negative(value):
+    with pytest.raises(ValueError, match=r"temperature=.* finite number >= 0"):
+        SamplingParams(temperature=value)
