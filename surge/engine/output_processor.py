@@ -1,6 +1,7 @@
 """OutputProcessor: the front end's view of requests. Turns EngineCoreOutputs into RequestOutputs: detokenizes
 incrementally, finds stop strings, builds logprob dicts, gathers the n samples of a request together, and
-measures per-request latencies (time to first token, inter-token, end to end) for metrics.
+measures what the metrics report: per token (time to first token, inter-token) and per finished request (its
+phases, token counts and parameters).
 """
 from __future__ import annotations
 
@@ -21,14 +22,31 @@ class OutputKind(enum.Enum):
 
 
 @dataclass
+class FinishedRequestStats:
+    """One finished request (all n of its samples), in vLLM's terms: queued (waiting in the core) -> prefill (first
+    scheduled until its first token) -> decode (first token until its last); inference is prefill + decode."""
+    finish_reason: str  # "abort" if a sample was aborted, else "length" if one was cut, else "stop"
+    e2e_latency: float  # arrival at the front end until finished
+    queued_time: float
+    prefill_time: float
+    decode_time: float
+    inference_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int  # all samples together
+    max_num_generation_tokens: int  # the longest sample
+    mean_time_per_output_token: float  # decode time per token after the first, averaged over the samples
+    n: int
+    max_tokens: int | None
+
+
+@dataclass
 class IterationStats:
     """What one batch of engine outputs did, for metrics."""
-    num_prompt_tokens: int = 0  # prompts of requests whose first token arrived
+    num_prompt_tokens: int = 0  # prompts of requests whose first token arrived (or that finished without one)
     num_generation_tokens: int = 0
     time_to_first_token: list[float] = field(default_factory=list)
     inter_token_latency: list[float] = field(default_factory=list)
-    e2e_latency: list[float] = field(default_factory=list)
-    finish_reasons: list[str] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 
 @dataclass
@@ -43,7 +61,9 @@ class SampleState:
     stop_reason: int | str | None = None
     num_emitted_tokens: int = 0  # DELTA outputs: tokens already handed out
     finish_emitted: bool = False
+    first_token_time: float | None = None
     last_token_time: float | None = None
+    timestamps: tuple[float, float] | None = None  # the core's (queued, first scheduled)
 
 
 @dataclass
@@ -100,6 +120,8 @@ class OutputProcessor:
             sample = parent.samples[o.request_id]
             if sample.finish_reason is not None:
                 continue  # stopped by a stop string; the core sent this before it learned so
+            if o.timestamps is not None:
+                sample.timestamps = o.timestamps
             if stats is not None and o.new_token_ids:
                 self._record_token_times(parent, sample, len(o.new_token_ids), now, stats)
             parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
@@ -126,8 +148,9 @@ class OutputProcessor:
             if p.finished:
                 self._forget(p)
                 if stats is not None:
-                    stats.e2e_latency.append(now - p.arrival_time)
-                    stats.finish_reasons.extend(s.finish_reason for s in p.samples.values())
+                    if p.first_token_time is None:  # the prompt only (max_tokens=0): it counts as it ends
+                        stats.num_prompt_tokens += len(p.prompt_token_ids)
+                    stats.finished_requests.append(_finished_stats(p, now))
         return results, to_stop
 
     def fail(self, child_id: str) -> tuple[str, list[str]] | None:
@@ -148,6 +171,8 @@ class OutputProcessor:
             stats.num_prompt_tokens += len(parent.prompt_token_ids)
         elif sample.last_token_time is not None:
             stats.inter_token_latency.append(now - sample.last_token_time)
+        if sample.first_token_time is None:
+            sample.first_token_time = now
         sample.last_token_time = now
 
     def abort(self, request_id: str) -> list[str]:
@@ -215,3 +240,23 @@ class OutputProcessor:
                                 cumulative_logprob=s.cumulative_logprob,
                                 logprobs=s.logprobs[start:] if s.logprobs is not None else None,
                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+
+
+def _finished_stats(parent: ParentState, now: float) -> FinishedRequestStats:
+    samples = list(parent.samples.values())
+    reasons = {s.finish_reason for s in samples}
+    reason = "abort" if "abort" in reasons else "length" if "length" in reasons else "stop"
+    stamps = [s.timestamps for s in samples if s.timestamps is not None]
+    queued = min((q for q, _ in stamps), default=parent.arrival_time)
+    scheduled = min((t for _, t in stamps), default=queued)
+    first = parent.first_token_time if parent.first_token_time is not None else now  # no token: prefill to the end
+    last = max((s.last_token_time for s in samples if s.last_token_time is not None), default=first)
+    tpot = [(s.last_token_time - s.first_token_time) / (len(s.token_ids) - 1) for s in samples
+            if len(s.token_ids) > 1 and s.first_token_time is not None]
+    return FinishedRequestStats(
+        finish_reason=reason, e2e_latency=now - parent.arrival_time, queued_time=max(scheduled - queued, 0.0),
+        prefill_time=max(first - scheduled, 0.0), decode_time=last - first, inference_time=max(last - scheduled, 0.0),
+        num_prompt_tokens=len(parent.prompt_token_ids), num_generation_tokens=sum(len(s.token_ids) for s in samples),
+        max_num_generation_tokens=max(len(s.token_ids) for s in samples),
+        mean_time_per_output_token=sum(tpot) / len(tpot) if tpot else 0.0, n=len(samples),
+        max_tokens=samples[0].params.max_tokens)

@@ -20,7 +20,7 @@ from surge.engine.async_llm import AsyncLLM
 from surge.entrypoints.openai.chat import ChatHandler
 from surge.entrypoints.openai.completions import CompletionsHandler
 from surge.entrypoints.openai.errors import APIError
-from surge.entrypoints.openai.metrics import PrometheusMetrics
+from surge.entrypoints.openai.metrics import PrometheusMetrics, check_metrics_prefix
 from surge.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                DetokenizeResponse, ModelCard, ModelList, ResponsesRequest,
                                                TokenizeRequest, TokenizeResponse, decode_request)
@@ -85,10 +85,18 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     async def version(request: Request) -> Response:
         return _json({"version": __version__})
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(name, created, serving.max_model_len, engine.config.model_config.model)
+
     async def models(request: Request) -> Response:
-        cards = [ModelCard(name, created, serving.max_model_len, engine.config.model_config.model)
-                 for name in served_model_names]
-        return _json(ModelList(cards))
+        return _json(ModelList([card(name) for name in served_model_names]))
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]  # may hold slashes: org/model
+        if name not in served_model_names:
+            raise APIError(404, f"the model {name!r} does not exist; served: {', '.join(served_model_names)}",
+                           param="model", code="model_not_found")
+        return _json(card(name))
 
     async def tokenize(request: Request) -> Response:
         req = decode_request(await request.body(), TokenizeRequest)
@@ -131,6 +139,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             Route("/health", health, methods=["GET"]),
             Route("/version", version, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/v1/completions", endpoint(completions, CompletionRequest), methods=["POST"]),
             Route("/v1/chat/completions", endpoint(chat, ChatCompletionRequest), methods=["POST"]),
             Route("/v1/responses", endpoint(responses, ResponsesRequest), methods=["POST"]),
@@ -148,15 +157,17 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
 
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None, served_model_names: list[str] | None,
-               log_level: str = "info", access_log: bool = True) -> None:
+               log_level: str = "info", access_log: bool = True, metrics_prefix: str = "surge") -> None:
     import uvicorn
 
+    check_metrics_prefix(metrics_prefix)
     config = engine_args.create_engine_config()
     # Named as the user gave the model; the default model by its directory name rather than a cache path.
     names = served_model_names or [str(engine_args.model or Path(config.model_config.model).name)]
-    metrics = PrometheusMetrics(names[0])
-    engine = AsyncLLM(config, stats_observers=[metrics])
+    engine = AsyncLLM(config)
     try:
+        metrics = PrometheusMetrics(names[0], config, engine.core.ready.num_kv_blocks, metrics_prefix)
+        engine.stats_observers.append(metrics)
         app = build_app(engine, names, api_key, metrics)
         logger.info("serving %s as %s on http://%s:%d", config.model_config.model, ", ".join(names), host, port)
         uvicorn.run(app, host=host, port=port, loop="uvloop", http="httptools", log_level=log_level,

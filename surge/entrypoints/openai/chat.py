@@ -9,13 +9,11 @@ from starlette.responses import Response, StreamingResponse
 from surge.entrypoints.openai.errors import bad_request
 from surge.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                                ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs,
-                                               DeltaMessage, PromptTokensDetails, TokenLogprob, TopLogprob,
-                                               UsageInfo)
-from surge.entrypoints.openai.serving import OpenAIServing, encode, engine_error, now, random_id, sse, top_logprobs
+                                               DeltaMessage, PromptTokensDetails, UsageInfo)
+from surge.entrypoints.openai.serving import (MAX_TOP_LOGPROBS, OpenAIServing, encode, engine_error, now, random_id,
+                                              shown_logprobs, sse, token_logprobs)
 from surge.outputs import CompletionOutput
 from surge.sampling_params import SamplingParams
-
-_MAX_TOP_LOGPROBS = 20
 
 
 class ChatHandler:
@@ -39,8 +37,8 @@ class ChatHandler:
         logprobs = None
         if req.logprobs:
             logprobs = req.top_logprobs or 0
-            if not 0 <= logprobs <= _MAX_TOP_LOGPROBS:
-                raise bad_request(f"top_logprobs={logprobs} is invalid: must be in [0, {_MAX_TOP_LOGPROBS}]",
+            if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+                raise bad_request(f"top_logprobs={logprobs} is invalid: must be in [0, {MAX_TOP_LOGPROBS}]",
                                   param="top_logprobs")
         elif req.top_logprobs is not None:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -54,7 +52,7 @@ class ChatHandler:
                                      media_type="text/event-stream")
         [out] = await s.run_to_end(http, [(token_ids, params)], request_id)
         choices = [ChatChoice(index=c.index, message=AssistantMessage(c.text), finish_reason=c.finish_reason,
-                              logprobs=self._logprobs(c, logprobs), stop_reason=c.stop_reason) for c in out.outputs]
+                              logprobs=self._logprobs(c, params), stop_reason=c.stop_reason) for c in out.outputs]
         num_completion = sum(len(c.token_ids) for c in out.outputs)
         usage = UsageInfo(len(token_ids), num_completion, len(token_ids) + num_completion,
                           PromptTokensDetails(out.num_cached_tokens))
@@ -71,15 +69,21 @@ class ChatHandler:
         # OpenAI opens each choice with the role and empty content.
         yield chunk([ChatChunkChoice(i, DeltaMessage(role="assistant", content="")) for i in range(req.n)])
         num_completion = 0
+        held: dict[int, list] = {}  # per choice: logprobs of tokens whose text is held back, sent with that text
         try:
             async for out in self.serving.stream(token_ids, params, request_id):
                 choices = []
                 for c in out.outputs:
                     num_completion += len(c.token_ids)
+                    if params.logprobs is not None and c.logprobs is not None:
+                        held.setdefault(c.index, []).extend(shown_logprobs(c, params, self.serving.tokenizer))
                     if not c.text and c.finish_reason is None:
                         continue  # text held back (a stop string may be starting) or an unfinished character
+                    logprobs = None
+                    if params.logprobs is not None:
+                        logprobs = ChoiceLogprobs(token_logprobs(held.pop(c.index, []), params.logprobs))
                     choices.append(ChatChunkChoice(c.index, DeltaMessage(content=c.text or None), c.finish_reason,
-                                                   self._logprobs(c, params.logprobs)))
+                                                   logprobs))
                 if choices:
                     yield chunk(choices)
                 if out.finished and req.stream_options is not None and req.stream_options.include_usage:
@@ -90,15 +94,8 @@ class ChatHandler:
             yield sse(encode(engine_error(e).to_response()))
         yield b"data: [DONE]\n\n"
 
-    @staticmethod
-    def _logprobs(c: CompletionOutput, num: int | None) -> ChoiceLogprobs | None:
-        if num is None or c.logprobs is None:
+    def _logprobs(self, c: CompletionOutput, params: SamplingParams) -> ChoiceLogprobs | None:
+        """The tokens of the text returned (a hidden stop token left out), each with its top params.logprobs."""
+        if params.logprobs is None or c.logprobs is None:
             return None
-        content = []
-        for token_id, position in zip(c.token_ids, c.logprobs):
-            sampled = position[token_id]
-            top = [TopLogprob(lp.decoded_token or "", lp.logprob, list((lp.decoded_token or "").encode()))
-                   for lp in top_logprobs(position, num)]
-            token = sampled.decoded_token or ""
-            content.append(TokenLogprob(token, sampled.logprob, list(token.encode()), top))
-        return ChoiceLogprobs(content)
+        return ChoiceLogprobs(token_logprobs(shown_logprobs(c, params, self.serving.tokenizer), params.logprobs))

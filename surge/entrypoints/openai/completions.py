@@ -1,4 +1,7 @@
-"""POST /v1/completions: one or more prompts (text or token ids), n samples each, streamed or not."""
+"""POST /v1/completions: one or more prompts (text or token ids), n samples each, streamed or not.
+
+`echo` with `logprobs` also scores the prompt (its first token's logprob is null, as in OpenAI and vLLM), and
+`max_tokens: 0` with `echo` scores it without generating: how lm-evaluation-harness gets log-likelihoods."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -6,12 +9,13 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
 
+from surge.engine.detokenizer import decode_token
 from surge.entrypoints.openai.errors import bad_request
 from surge.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                CompletionResponse, PromptTokensDetails, UsageInfo)
 from surge.entrypoints.openai.serving import (OpenAIServing, encode, engine_error, merge, now, random_id, sse,
                                               top_logprobs)
-from surge.outputs import CompletionOutput, Logprob
+from surge.outputs import CompletionOutput, Logprob, RequestOutput
 from surge.sampling_params import SamplingParams
 
 
@@ -46,16 +50,18 @@ class CompletionsHandler:
             raise bad_request("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported yet", param="echo")
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens=0 is invalid without echo=true: it generates nothing, so only the echoed "
+                              "prompt (with its logprobs) can be returned", param="max_tokens")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
         prompts = self.prompts(req.prompt)
+        prompt_logprobs = req.logprobs if req.echo else None
         requests = []
         for text, ids in prompts:
-            max_tokens = s.check_lengths(len(ids), req.max_tokens, "max_tokens", "prompt")
+            max_tokens = s.check_lengths(len(ids), req.max_tokens, "max_tokens", "prompt", allow_zero=req.echo)
             requests.append((ids, s.sampling_params(req, max_tokens=max_tokens, n=req.n, stop=req.stop,
-                                                    logprobs=req.logprobs)))
+                                                    logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)))
         request_id = random_id("cmpl-")
         if req.stream:
             return StreamingResponse(self._stream(req, model, request_id, prompts, requests),
@@ -66,7 +72,7 @@ class CompletionsHandler:
             prefix = self._prompt_text(prompts[p]) if req.echo else ""
             for c in out.outputs:
                 choices.append(CompletionChoice(index=p * req.n + c.index, text=prefix + c.text,
-                                                logprobs=self._logprobs(c, req.logprobs),
+                                                logprobs=self._logprobs(c, requests[p][1], out if req.echo else None),
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         num_prompt = sum(len(ids) for _, ids in prompts)
         num_completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
@@ -93,13 +99,13 @@ class CompletionsHandler:
                 for c in out.outputs:
                     index = p * req.n + c.index
                     num_completion += len(c.token_ids)
-                    text = c.text
-                    if req.echo and index not in echoed:
+                    text, echo = c.text, None
+                    if req.echo and index not in echoed:  # a choice's first chunk starts with the prompt
                         echoed.add(index)
-                        text = self._prompt_text(prompts[p]) + text
+                        text, echo = self._prompt_text(prompts[p]) + text, out
                     if not text and c.finish_reason is None:
                         continue
-                    choice = CompletionChoice(index, text, self._logprobs(c, req.logprobs), c.finish_reason,
+                    choice = CompletionChoice(index, text, self._logprobs(c, requests[p][1], echo), c.finish_reason,
                                               c.stop_reason)
                     yield sse(encode(CompletionResponse(request_id, created, model, [choice])))
                 if out.finished:
@@ -113,19 +119,37 @@ class CompletionsHandler:
             yield sse(encode(engine_error(e).to_response()))
         yield b"data: [DONE]\n\n"
 
-    @staticmethod
-    def _logprobs(c: CompletionOutput, num: int | None) -> CompletionLogprobs | None:
+    def _logprobs(self, c: CompletionOutput, params: SamplingParams,
+                  echo: RequestOutput | None = None) -> CompletionLogprobs | None:
+        """The legacy logprobs object: the echoed prompt's tokens first when `echo` is given (the first one
+        unscored), then the generated ones; text offsets count from the start of the choice's text."""
+        num = params.logprobs
         if num is None or c.logprobs is None:
             return None
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = 0
-        for token_id, position in zip(c.token_ids, c.logprobs):
-            sampled: Logprob = position[token_id]
-            token = sampled.decoded_token or ""
+
+        def add(token: str, logprob: float | None, top_n: dict[str, float] | None) -> None:
+            nonlocal offset
             tokens.append(token)
-            token_logprobs.append(sampled.logprob)
-            top.append({lp.decoded_token or "": lp.logprob for lp in top_logprobs(position, num)})
+            token_logprobs.append(logprob)
+            top.append(top_n)
             offsets.append(offset)
             offset += len(token)
+
+        if echo is not None:
+            tokenizer = self.serving.tokenizer
+            for token_id, position in zip(echo.prompt_token_ids, echo.prompt_logprobs or []):
+                if position is None:  # the first prompt token: nothing before it to score it by
+                    add(decode_token(tokenizer, token_id), None, None)
+                else:
+                    add(position[token_id].decoded_token or "", position[token_id].logprob, _top(position, num))
+        # Every generated token, a final stop token included (as vLLM): scorers count on one entry per token.
+        for token_id, position in zip(c.token_ids, c.logprobs):
+            sampled: Logprob = position[token_id]
+            add(sampled.decoded_token or "", sampled.logprob, _top(position, num))
         return CompletionLogprobs(tokens, token_logprobs, top, offsets)
 
+
+def _top(position: dict[int, Logprob], num: int) -> dict[str, float]:
+    return {lp.decoded_token or "": lp.logprob for lp in top_logprobs(position, num)}

@@ -99,6 +99,8 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs": logprobs of the output text
+    top_logprobs: int | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -127,12 +129,14 @@ class UsageInfo(msgspec.Struct):
 
 
 class ModelCard(msgspec.Struct):
+    """OpenAI's model object, with vLLM's additions (max_model_len, root, parent)."""
     id: str
     created: int
     max_model_len: int
     root: str
     object: str = "model"
     owned_by: str = "surge"
+    parent: str | None = None
 
 
 class ModelList(msgspec.Struct):

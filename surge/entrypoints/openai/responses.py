@@ -11,9 +11,13 @@ from starlette.responses import Response, StreamingResponse
 from surge.entrypoints.openai.errors import bad_request
 from surge.entrypoints.openai.protocol import (IncompleteDetails, InputTokensDetails, OutputMessage, OutputText,
                                                OutputTokensDetails, ResponseEvent, ResponseObject, ResponsesRequest,
-                                               ResponseUsage)
-from surge.entrypoints.openai.serving import OpenAIServing, encode, engine_error, now, random_id, sse
+                                               ResponseUsage, TokenLogprob)
+from surge.entrypoints.openai.serving import (MAX_TOP_LOGPROBS, OpenAIServing, encode, engine_error, now, random_id,
+                                              shown_logprobs, sse, token_logprobs)
+from surge.outputs import CompletionOutput
 from surge.sampling_params import SamplingParams
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class ResponsesHandler:
@@ -52,17 +56,33 @@ class ResponsesHandler:
             raise bad_request("text.format other than {'type': 'text'} is not supported yet", param="text.format")
         token_ids = s.render(self.conversation(req))
         max_tokens = s.check_lengths(len(token_ids), req.max_output_tokens, "max_output_tokens", "input")
-        params = s.sampling_params(req, max_tokens=max_tokens)
+        params = s.sampling_params(req, max_tokens=max_tokens, logprobs=self._num_logprobs(req))
         response_id = random_id("resp_")
         if req.stream:
             return StreamingResponse(self._stream(req, model, response_id, token_ids, params),
                                      media_type="text/event-stream")
         [out] = await s.run_to_end(http, [(token_ids, params)], response_id)
         c = out.outputs[0]
-        message = OutputMessage(random_id("msg_"), _item_status(c.finish_reason), [OutputText(c.text)])
+        message = OutputMessage(random_id("msg_"), _item_status(c.finish_reason),
+                                [OutputText(c.text, logprobs=self._logprobs(c, params))])
         response = self._response(req, model, response_id, "completed", [message])
         self._finish(response, len(token_ids), len(c.token_ids), out.num_cached_tokens, c.finish_reason)
         return Response(encode(response), media_type="application/json")
+
+    @staticmethod
+    def _num_logprobs(req: ResponsesRequest) -> int | None:
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs={req.top_logprobs} is invalid: must be in [0, {MAX_TOP_LOGPROBS}]",
+                              param="top_logprobs")
+        if LOGPROBS_INCLUDE not in (req.include or []):
+            return None
+        return req.top_logprobs or 0
+
+    def _logprobs(self, c: CompletionOutput, params: SamplingParams) -> list[TokenLogprob]:
+        """The output text's tokens (a hidden stop token left out), each with its top params.logprobs."""
+        if params.logprobs is None or c.logprobs is None:
+            return []
+        return token_logprobs(shown_logprobs(c, params, self.serving.tokenizer), params.logprobs)
 
     def _response(self, req: ResponsesRequest, model: str, response_id: str, status: str,
                   output: list[OutputMessage]) -> ResponseObject:
@@ -101,18 +121,22 @@ class ResponsesHandler:
                     item=OutputMessage(item_id, "in_progress", []))
         yield event("response.content_part.added", part=OutputText(""), **where)
         text, num_output = [], 0
+        logprobs, num_sent = [], 0  # logprobs of the text so far; those of held-back text go with it
         try:
             async for out in self.serving.stream(token_ids, params, response_id):
                 c = out.outputs[0]
                 num_output += len(c.token_ids)
+                logprobs += self._logprobs(c, params)
                 if c.text:
                     text.append(c.text)
-                    yield event("response.output_text.delta", delta=c.text, logprobs=[], **where)
+                    yield event("response.output_text.delta", delta=c.text, logprobs=logprobs[num_sent:], **where)
+                    num_sent = len(logprobs)
                 if out.finished:
                     full = "".join(text)
-                    yield event("response.output_text.done", text=full, logprobs=[], **where)
-                    yield event("response.content_part.done", part=OutputText(full), **where)
-                    message = OutputMessage(item_id, _item_status(c.finish_reason), [OutputText(full)])
+                    yield event("response.output_text.done", text=full, logprobs=logprobs, **where)
+                    yield event("response.content_part.done", part=OutputText(full, logprobs=logprobs), **where)
+                    message = OutputMessage(item_id, _item_status(c.finish_reason),
+                                            [OutputText(full, logprobs=logprobs)])
                     yield event("response.output_item.done", output_index=0, item=message)
                     response = self._response(req, model, response_id, "completed", [message])
                     self._finish(response, len(token_ids), num_output, out.num_cached_tokens, c.finish_reason)

@@ -15,15 +15,17 @@ from starlette.requests import Request as HTTPRequest
 
 from surge.engine.async_llm import AsyncLLM, RequestFailedError
 from surge.engine.core_proc import EngineDeadError
+from surge.engine.detokenizer import special_token_ids
 from surge.engine.output_processor import OutputKind
 from surge.entrypoints.openai.content import content_text
 from surge.entrypoints.openai.errors import APIError, bad_request
-from surge.entrypoints.openai.protocol import ChatMessage, SamplingFields
-from surge.outputs import Logprob, RequestOutput
+from surge.entrypoints.openai.protocol import ChatMessage, SamplingFields, TokenLogprob, TopLogprob
+from surge.outputs import CompletionOutput, Logprob, RequestOutput
 from surge.sampling_params import SamplingParams
 
 MAX_N = 128  # samples per request; more would be a denial of service more than a use case
 MAX_TEMPERATURE = 2.0  # OpenAI's range
+MAX_TOP_LOGPROBS = 20  # OpenAI's range for chat's and the Responses API's top_logprobs
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _SAMPLING_PARAM = re.compile(r"^SamplingParams\.(\w+)=")
 
@@ -72,8 +74,9 @@ class OpenAIServing:
                        param="model", code="model_not_found")
 
     def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, max_tokens_param: str,
-                      prompt_param: str) -> int:
-        """The number of tokens to generate: max_tokens, or all the room left when None; 400 when it cannot fit."""
+                      prompt_param: str, allow_zero: bool = False) -> int:
+        """The number of tokens to generate: max_tokens, or all the room left when None; 400 when it cannot fit.
+        allow_zero: 0 means the prompt only (completions with echo: scoring a text)."""
         if num_prompt_tokens == 0:
             raise bad_request("the prompt is empty: at least one token is needed", param=prompt_param)
         room = self.max_model_len - num_prompt_tokens
@@ -83,9 +86,9 @@ class OpenAIServing:
                               param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
             return room
-        if isinstance(max_tokens, bool) or max_tokens < 1:
-            raise bad_request(f"{max_tokens_param}={max_tokens} is invalid: must be an integer >= 1",
-                              param=max_tokens_param)
+        if isinstance(max_tokens, bool) or max_tokens < (0 if allow_zero else 1):
+            raise bad_request(f"{max_tokens_param}={max_tokens} is invalid: must be an integer >= 1"
+                              + (", or 0 for the prompt only" if allow_zero else ""), param=max_tokens_param)
         if max_tokens > room:
             raise bad_request(f"{max_tokens_param}={max_tokens} is too large: this model's maximum context length "
                               f"is {self.max_model_len} tokens and the prompt has {num_prompt_tokens}, so at most "
@@ -94,7 +97,8 @@ class OpenAIServing:
         return max_tokens
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int, n: int = 1,
-                        stop: str | list[str] | None = None, logprobs: int | None = None) -> SamplingParams:
+                        stop: str | list[str] | None = None, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         if not 1 <= n <= MAX_N:
             raise bad_request(f"n={n} is invalid: must be an integer in [1, {MAX_N}]", param="n")
         if req.temperature is not None and not 0.0 <= req.temperature <= MAX_TEMPERATURE:
@@ -107,6 +111,7 @@ class OpenAIServing:
             return SamplingParams(
                 n=n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=stop,
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 **{k: v for k, v in fields.items() if v is not None})
@@ -230,6 +235,29 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object
 def top_logprobs(position: dict[int, Logprob], num: int) -> list[Logprob]:
     """The top-`num` entries of one position, best first (the sampled token only when it ranks among them)."""
     return sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= num), key=lambda lp: lp.rank)
+
+
+def shown_logprobs(c: CompletionOutput, params: SamplingParams, tokenizer) -> list[tuple[int, dict[int, Logprob]]]:
+    """(token id, logprobs) of the generated tokens whose text the output shows: a stop token it leaves out (EOS
+    such as <|im_end|>, a special token the text skips) is left out here too. Works on deltas as on whole outputs:
+    a stop token is always the last token."""
+    pairs = list(zip(c.token_ids, c.logprobs or []))
+    if (pairs and c.finish_reason == "stop" and not isinstance(c.stop_reason, str) and params.skip_special_tokens
+            and pairs[-1][0] in special_token_ids(tokenizer)):
+        pairs.pop()
+    return pairs
+
+
+def token_logprobs(pairs: list[tuple[int, dict[int, Logprob]]], num: int) -> list[TokenLogprob]:
+    """Chat's and the Responses API's logprob objects: each token, its logprob and bytes, and the top `num`."""
+    content = []
+    for token_id, position in pairs:
+        sampled = position[token_id]
+        top = [TopLogprob(lp.decoded_token or "", lp.logprob, list((lp.decoded_token or "").encode()))
+               for lp in top_logprobs(position, num)]
+        token = sampled.decoded_token or ""
+        content.append(TokenLogprob(token, sampled.logprob, list(token.encode()), top))
+    return content
 
 
 def now() -> int:

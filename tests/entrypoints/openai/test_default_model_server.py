@@ -63,3 +63,32 @@ def test_async_clients_streaming(server):
     assert "Paris" in text and "Paris" in completion
     assert text == chat == last.response.output_text
     assert last.type in ("response.completed", "response.incomplete")
+
+
+def test_logprobs_cover_exactly_the_text(server):
+    """The model ends its turn with <|im_end|>, an EOS the text leaves out: chat's and the Responses API's logprobs
+    leave it out too (it still counts as a completion token), streamed as unstreamed."""
+    client = server.client()
+    common = dict(model="SmolLM2-135M-Instruct", temperature=0)
+    chat = client.chat.completions.create(messages=QUESTION, max_tokens=48, logprobs=True, top_logprobs=2, **common)
+    choice = chat.choices[0]
+    assert choice.finish_reason == "stop"
+    content = [(t.token, t.logprob) for t in choice.logprobs.content]
+    assert "".join(token for token, _ in content) == choice.message.content
+    assert len(content) == chat.usage.completion_tokens - 1
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    streamed = [(t.token, t.logprob) for chunk in client.chat.completions.create(
+        messages=QUESTION, max_tokens=48, logprobs=True, top_logprobs=2, stream=True, **common)
+        if chunk.choices and chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.content]
+    assert streamed == content
+
+    include = ["message.output_text.logprobs"]
+    response = client.responses.create(input=QUESTION, max_output_tokens=48, include=include, top_logprobs=2,
+                                       **common)
+    assert response.output_text == choice.message.content
+    assert [(t.token, t.logprob) for t in response.output[0].content[0].logprobs] == content
+    events = list(client.responses.create(input=QUESTION, max_output_tokens=48, include=include, top_logprobs=2,
+                                          stream=True, **common))
+    deltas = [(t.token, t.logprob) for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert deltas == content
+    assert [(t.token, t.logprob) for t in events[-1].response.output[0].content[0].logprobs] == content

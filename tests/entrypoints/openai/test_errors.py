@@ -37,6 +37,9 @@ CASES = [
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": 600}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "hi", "logprobs": 50}', 400, "logprobs"),
     ("/v1/completions", b'{"max_tokens": 5}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),  # 0 needs echo
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": -1, "echo": true}', 400, "max_tokens"),
+    ("/v1/responses", b'{"input": "hi", "top_logprobs": 21}', 400, "top_logprobs"),
     ("/v1/responses", b'{"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}',
      400, "input[0].content[0]"),
     ("/v1/responses", b'{"input": [{"type": "function_call_output", "call_id": "1", "output": "x"}]}', 400,

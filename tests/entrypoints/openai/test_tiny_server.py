@@ -10,6 +10,8 @@ import asyncio
 import httpx
 import openai
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from surge import LLM, SamplingParams
 
@@ -21,6 +23,20 @@ GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 @pytest.fixture(scope="module")
 def offline(tiny_model_dir):
     return LLM(tiny_model_dir, max_model_len=512, kv_cache_memory=8 << 20)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_model_dir):
+    """HF transformers' greedy continuation of a text: (token ids, the text after each number of them)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def greedy(prompt: str, n: int) -> tuple[list[int], list[str]]:
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()
+        return out, [tokenizer.decode(out[:t], skip_special_tokens=True) for t in range(n + 1)]
+    return greedy
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +55,50 @@ def test_models_health_version(tiny_server):
     assert models.data[0].model_extra["max_model_len"] == 512
     assert httpx.get(f"{tiny_server.url}/health").status_code == 200  # open without the key
     assert httpx.get(f"{tiny_server.url}/version").json()["version"]
+
+
+def test_models_retrieve(tiny_server):
+    client = tiny_server.client()
+    for name in ("tiny", "tiny-alias"):
+        model = client.models.retrieve(name)
+        assert (model.id, model.object, model.owned_by) == (name, "model", "surge")
+        assert model.model_extra["max_model_len"] == 512
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/gpt-4o")
+    error = e.value.response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "model", "model_not_found")
+    assert "org/gpt-4o" in error["message"]
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-6])
+def test_tiny_temperature_is_greedy(tiny_server, hf_greedy, temperature):
+    """Below 1e-5 a temperature is greedy: 1e-38 used to overflow to a NaN softmax and token 0 every time."""
+    _, texts = hf_greedy(PROMPT, 16)
+    out = tiny_server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=temperature,
+                                                  extra_body={"ignore_eos": True})
+    assert out.choices[0].text == texts[-1]
+
+
+def test_stop_string_within_min_tokens_does_not_end_the_request(tiny_server, hf_greedy):
+    tokens, texts = hf_greedy(PROMPT, 24)
+    stop, min_tokens = texts[4][2:4], 8  # text of the first tokens
+    assert len(stop) == 2
+
+    def expected(min_tokens: int) -> tuple[str, str]:
+        """Plain scan: the first token after min_tokens that completes a match ends the text before it."""
+        for t in range(min_tokens + 1, len(tokens) + 1):
+            begin = texts[t].find(stop, max(0, len(texts[t - 1]) - len(stop) + 1))
+            if begin >= 0:
+                return texts[t][:begin], "stop"
+        return texts[-1], "length"
+
+    assert expected(0)[1] == "stop" and len(expected(0)[0]) < len(texts[4])  # without min_tokens it ends early
+    client = tiny_server.client()
+    for n in (0, min_tokens):
+        out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, stop=[stop], temperature=0,
+                                        extra_body={"min_tokens": n, "ignore_eos": True})
+        assert (out.choices[0].text, out.choices[0].finish_reason) == expected(n), n
 
 
 def test_completions_sync(tiny_server, reference):
