@@ -50,6 +50,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_preemptions: int
     # The KV connector's (zero without one): prompt tokens it supplied, bytes and seconds moved, failed loads,
     # share of its own storage in use.
+    kv_external_queries: int = 0  # prompt tokens the connector was asked about
     kv_external_hit_tokens: int = 0
     kv_loaded_bytes: int = 0
     kv_saved_bytes: int = 0
@@ -117,8 +118,8 @@ class EngineCore:
                                prefix_cache_hits=kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions)
         if self.kv_connector is not None:
             c = self.kv_connector.stats
-            stats.kv_external_hit_tokens, stats.kv_loaded_bytes, stats.kv_saved_bytes = (
-                c.external_hit_tokens, c.loaded_bytes, c.saved_bytes)
+            stats.kv_external_queries, stats.kv_external_hit_tokens = c.external_queried_tokens, c.external_hit_tokens
+            stats.kv_loaded_bytes, stats.kv_saved_bytes = c.loaded_bytes, c.saved_bytes
             stats.kv_load_seconds, stats.kv_save_seconds, stats.kv_storage_usage = (
                 c.load_seconds, c.save_seconds, c.pool_usage)
             stats.kv_failures = c.failures  # failed or partial loads (recomputed) and store errors

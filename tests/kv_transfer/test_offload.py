@@ -198,3 +198,29 @@ def test_tensor_parallel_ranks_load_their_shards(tmp_path):
         assert llm.engine.kv_cache_manager.usage == 0.0
     finally:
         llm.engine.shutdown()
+
+
+def test_server_metrics_show_the_connector(tiny_model_dir):
+    """/metrics with a connector: vLLM's external prefix cache counters and what the connector moved."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from remote_server import RemoteServer
+
+    with RemoteServer(tiny_model_dir, "--served-model-name", "tiny", "--max-model-len", "256", "--kv-cache-memory",
+                      str(8 << 20), "--block-size", "4", "--kv-offload-gib", "0.01") as server:
+        body = {"model": "tiny", "prompt": list(range(3, 60)), "max_tokens": 4, "temperature": 0}
+        for _ in range(2):
+            assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the save of the finished request lands within a step or two
+            fams = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+            saved = sum(s.value for s in fams["surge:kv_connector_saved_bytes"].samples)
+            if saved > 0:
+                break
+            time.sleep(0.2)
+        assert saved > 0
+        assert {"surge:external_prefix_cache_queries", "surge:external_prefix_cache_hits",
+                "surge:kv_connector_loaded_bytes", "surge:kv_connector_failures",
+                "surge:kv_connector_storage_usage_perc"} <= set(fams)
+        usage = [s.value for s in fams["surge:kv_connector_storage_usage_perc"].samples]
+        assert usage and 0 < usage[0] <= 1

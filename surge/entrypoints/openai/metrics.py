@@ -110,6 +110,28 @@ class PrometheusMetrics:
                                       "Histogram of time spent in PREFILL phase for request.", _REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds",
                                      "Histogram of time spent in DECODE phase for request.", _REQUEST_LATENCY_BUCKETS)
+        # A KV connector's (only with one, so a plain engine's names stay exactly vLLM's): the external prefix
+        # cache as vLLM names it, then what the connector moved.
+        self.connector = None
+        if config.kv_transfer_config is not None:
+            self.connector = {
+                "kv_external_queries": metric(Counter, "external_prefix_cache_queries", "External prefix cache "
+                                              "queries from KV connector cross-instance cache sharing, in terms of "
+                                              "number of queried tokens."),
+                "kv_external_hit_tokens": metric(Counter, "external_prefix_cache_hits", "External prefix cache "
+                                                 "hits from KV connector cross-instance cache sharing, in terms of "
+                                                 "number of cached tokens."),
+                "kv_loaded_bytes": metric(Counter, "kv_connector_loaded_bytes", "Bytes of KV the connector loaded."),
+                "kv_saved_bytes": metric(Counter, "kv_connector_saved_bytes", "Bytes of KV the connector saved."),
+                "kv_load_seconds": metric(Counter, "kv_connector_load_seconds", "Seconds the connector spent "
+                                          "loading KV."),
+                "kv_save_seconds": metric(Counter, "kv_connector_save_seconds", "Seconds the connector spent "
+                                          "saving KV."),
+                "kv_failures": metric(Counter, "kv_connector_failures", "Failed or partial KV loads (recomputed) "
+                                      "and store errors."),
+            }
+            self.connector_usage = metric(Gauge, "kv_connector_storage_usage_perc", "Share of the connector's own "
+                                          "storage in use (the offload tier's pool). 1 means 100 percent.")
         # An info metric as a gauge set to 1, as vLLM does: the cache configuration in its labels.
         info = {f.name: str(getattr(config.cache_config, f.name)) for f in dataclasses.fields(config.cache_config)}
         info.update(num_gpu_blocks=str(num_gpu_blocks), engine="0")
@@ -127,6 +149,10 @@ class PrometheusMetrics:
             self.prefix_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
             self.prefix_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
             self.preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+            if self.connector is not None:
+                for field_name, counter in self.connector.items():
+                    counter.inc(getattr(stats, field_name) - (getattr(last, field_name) if last else 0))
+                self.connector_usage.set(stats.kv_storage_usage)
             self._last = stats
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
         self.generation_tokens.inc(iteration.num_generation_tokens)
