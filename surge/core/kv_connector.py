@@ -21,6 +21,7 @@ class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     saved_bytes: int = 0
     load_seconds: float = 0.0
     save_seconds: float = 0.0
+    failed_sending: list[str] = []  # of finished_sending, the saves that failed (blocks freed all the same)
 
 
 class SchedulerConnector(Protocol):

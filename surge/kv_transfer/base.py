@@ -45,7 +45,7 @@ class KVConnectorStats:
         self.saved_bytes += output.saved_bytes
         self.load_seconds += output.load_seconds
         self.save_seconds += output.save_seconds
-        self.failures += len(output.failed_recving)
+        self.failures += len(output.failed_recving) + len(output.failed_sending)
 
 
 class KVConnectorBase:

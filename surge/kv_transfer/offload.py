@@ -19,7 +19,7 @@ import msgspec
 import torch
 
 from surge.config import EngineConfig
-from surge.core.kv_cache.spec import KVCacheConfig, SlidingWindowSpec
+from surge.core.kv_cache.spec import KVCacheConfig
 from surge.core.kv_connector import KVConnectorOutput
 from surge.core.request import Request
 from surge.core.scheduler_output import SchedulerOutput
@@ -101,33 +101,16 @@ class OffloadingConnector(KVConnectorBase):
         return end * bs - num_computed_tokens, self.asynchronous
 
     def _longest_hit(self, hashes: list[bytes], start: int, max_blocks: int) -> int:
-        """The largest end such that blocks [start, end) can be served: every full-attention group holds all of
-        them; a sliding-window group holds those inside the window of the hit's last position."""
-        full_end = start
-        while full_end < min(max_blocks, len(hashes)):
-            entry = self._index.get(hashes[full_end])
-            if entry is None or not all(present for g, present in zip(self.groups, entry[1])
-                                        if not isinstance(self._spec(g), SlidingWindowSpec)):
+        """The largest end such that the pool holds every stored group's block at every position in [start, end).
+        (A block of a sliding-window group left unloaded would still be offered to the prefix cache with the hit,
+        holding stale KV: so a hit needs them all, and hybrid models' long hits mostly recompute.)"""
+        end = start
+        while end < min(max_blocks, len(hashes)):
+            entry = self._index.get(hashes[end])
+            if entry is None or not all(entry[1]):
                 break
-            full_end += 1
-        for end in range(full_end, start, -1):
-            if self._window_served(hashes, start, end):
-                return end
-        return start
-
-    def _window_served(self, hashes: list[bytes], start: int, end: int) -> bool:
-        bs = self.kv_cache_config.groups[0].spec.block_size
-        for j, g in enumerate(self.groups):
-            spec = self._spec(g)
-            if not isinstance(spec, SlidingWindowSpec):
-                continue
-            first = max(start, (end * bs - spec.sliding_window + 1) // bs)
-            if not all(self._index[h][1][j] for h in hashes[first:end]):
-                return False
-        return True
-
-    def _spec(self, group_id: int):
-        return self.kv_cache_config.groups[group_id].spec
+            end += 1
+        return end
 
     def update_state_after_alloc(self, request: Request, block_ids: tuple[list[int], ...],
                                  num_external_tokens: int) -> None:

@@ -1,4 +1,4 @@
-"""The `surge` command: serve, generate, chat, model-path, bench, weight-cache.
+"""The `surge` command: serve, generate, chat, model-path, bench, weight-cache, kv-store.
 
 Heavy imports (torch, transformers) happen inside the subcommands, so `surge --help` answers at once.
 """
@@ -113,6 +113,11 @@ def cmd_weight_cache_serve(args: argparse.Namespace) -> int:
                  args.health_host, args.health_port)
 
 
+def cmd_kv_store_serve(args: argparse.Namespace) -> int:
+    from surge.kv_transfer.mooncake_server import serve
+    return serve(args.rpc_port, args.metadata_port, args.segment_gib, args.log_dir)
+
+
 def run_headless_node(args: argparse.Namespace) -> int:
     """--node-rank > 0: whatever the subcommand, this node only runs its ranks for node 0's engine."""
     from surge.worker.executor import run_headless
@@ -206,6 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "daemon is ready, 503 otherwise")
     g.add_argument("--health-host", default="127.0.0.1", help="address of the /health endpoint")
     p.set_defaults(func=cmd_weight_cache_serve)
+
+    kv_store = sub.add_parser("kv-store", help="a Mooncake store that keeps KV blocks across engine restarts and "
+                              "instances").add_subparsers(dest="kv_store_command", required=True)
+    p = kv_store.add_parser("serve", help="start its master, metadata server and memory on 127.0.0.1 until SIGTERM; "
+                            "prints the engines' --kv-transfer-config")
+    p.add_argument("--rpc-port", type=int, default=50051, help="the master's RPC port (the connector's \"master\")")
+    p.add_argument("--metadata-port", type=int, default=8080, help="the HTTP metadata server's port")
+    p.add_argument("--segment-gib", type=float, default=4.0, help="KV memory the store holds, in GiB")
+    p.add_argument("--log-dir", default=None, help="where the store's processes log (default: a new temp dir)")
+    p.set_defaults(func=cmd_kv_store_serve)
     return parser
 
 
