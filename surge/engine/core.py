@@ -101,8 +101,10 @@ class EngineCore:
             self.scheduler.finish_request(rid, status)
 
     def shutdown(self) -> None:
-        """Stop worker ranks, if any (also done at exit, or when the engine is collected)."""
+        """Stop worker ranks, if any (also done at exit, or when the engine is collected), and the connector."""
         self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -94,7 +94,8 @@ class UniProcExecutor:
         return self.execute_async(out).result()
 
     def shutdown(self) -> None:
-        pass
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.shutdown()
 
 
 def _free_port() -> int:

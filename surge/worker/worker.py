@@ -132,6 +132,8 @@ def main() -> int:
     except PeerLostError as e:
         print(f"surge worker rank {args.rank}: {e}", file=sys.stderr, flush=True)
         return PEER_LOST_EXIT
+    if worker.runner.kv_connector is not None:
+        worker.runner.kv_connector.shutdown()
     destroy_distributed()
     return 0
 
