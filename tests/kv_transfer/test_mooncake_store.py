@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from surge import LLM, SamplingParams
-from surge.core.kv_cache.spec import SlidingWindowSpec
 from surge.core.request import Request, RequestStatus
 from surge.kv_transfer.factory import register_connector
 from surge.kv_transfer.mooncake_server import MooncakeStoreServer, free_port
@@ -231,31 +230,8 @@ def test_no_master_at_start(tiny_llama):
     assert llm.engine.kv_connector.stats.failures >= 1  # the connect; lookups are skipped while it is down
 
 
-class ScratchSlidingWindowSpec(SlidingWindowSpec):
-    """A group that may travel between instances but must never be stored as prefix data (vLLM #55027)."""
-
-    @property
-    def prefix_cacheable(self) -> bool:
-        return False
-
-
-def test_a_group_the_store_cannot_keep_is_skipped(tmp_path, monkeypatch, store):
-    import surge.worker.model_runner as model_runner
-    from surge.core.kv_cache import spec as spec_module
-
-    model_dir = make_tiny_model("qwen3-hybrid", tmp_path / "m")
-    built = spec_module.build_kv_cache_groups
-
-    def with_scratch(*args, **kwargs):
-        def scratch(g):
-            if not isinstance(g.spec, SlidingWindowSpec):
-                return g
-            spec = ScratchSlidingWindowSpec(g.spec.block_size, g.spec.num_kv_heads, g.spec.head_dim, g.spec.dtype,
-                                            sliding_window=g.spec.sliding_window)
-            return spec_module.KVCacheGroup(g.group_id, spec, g.layer_ids)
-        return tuple(scratch(g) for g in built(*args, **kwargs))
-
-    monkeypatch.setattr(model_runner, "build_kv_cache_groups", with_scratch)
+def test_a_group_the_store_cannot_keep_is_skipped(scratch_group_model, store):
+    model_dir = scratch_group_model
     prompts = _prompts()
     ref = _reference(model_dir, prompts)
     config = store.connector_config()

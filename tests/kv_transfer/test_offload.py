@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from surge import LLM, SamplingParams
-from surge.core.kv_cache.spec import SlidingWindowSpec
 from surge.core.request import RequestStatus
 from surge.kv_transfer.factory import register_connector
 from surge.kv_transfer.offload import OffloadingConnector
@@ -123,31 +122,8 @@ def test_async_load_waits_while_others_decode(tmp_path):
     assert engine.kv_connector.stats.external_hit_tokens >= 0.9 * PREFIX_LEN
 
 
-class ScratchSlidingWindowSpec(SlidingWindowSpec):
-    """A group that may travel between instances but must never be stored as prefix data (vLLM #55027)."""
-
-    @property
-    def prefix_cacheable(self) -> bool:
-        return False
-
-
-def test_a_group_the_store_cannot_keep_is_skipped(tmp_path, monkeypatch):
-    import surge.worker.model_runner as model_runner
-    from surge.core.kv_cache import spec as spec_module
-
-    model_dir = make_tiny_model("qwen3-hybrid", tmp_path / "m")
-    built = spec_module.build_kv_cache_groups
-
-    def with_scratch(*args, **kwargs):
-        def scratch(g):
-            if not isinstance(g.spec, SlidingWindowSpec):
-                return g
-            spec = ScratchSlidingWindowSpec(g.spec.block_size, g.spec.num_kv_heads, g.spec.head_dim, g.spec.dtype,
-                                            sliding_window=g.spec.sliding_window)
-            return spec_module.KVCacheGroup(g.group_id, spec, g.layer_ids)
-        return tuple(scratch(g) for g in built(*args, **kwargs))
-
-    monkeypatch.setattr(model_runner, "build_kv_cache_groups", with_scratch)
+def test_a_group_the_store_cannot_keep_is_skipped(scratch_group_model):
+    model_dir = scratch_group_model
     prompts = _prompts()
     ref = _tokens(LLM(model_dir, **ENGINE).generate(prompts, GREEDY, use_tqdm=False))
     llm = LLM(model_dir, kv_transfer_config=_offload(), **ENGINE)
