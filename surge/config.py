@@ -250,6 +250,74 @@ class WeightCacheConfig:
             raise ValueError(f"weight_cache_dir={self.socket_dir!r} must be a directory path")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+# How a draft model's ParallelConfig follows the target's: every field has a policy, and a test fails for a field
+# that has none (vLLM #55914: a draft config copied field by field silently dropped expert parallelism).
+DRAFT_PARALLEL_POLICY: dict[str, tuple[str, str]] = {
+    "tensor_parallel_size": ("override", "a small draft may run on one rank; else the target's size (its ranks)"),
+    "nnodes": ("inherit", "the draft runs in the target's worker processes, on the same nodes"),
+    "node_rank": ("inherit", "the same node as the target's engine"),
+    "master_addr": ("inherit", "the draft's ranks are the target's: one rendezvous"),
+    "master_port": ("inherit", "the same rendezvous; a second port would be a second process group to start"),
+    "enable_expert_parallel": ("inherit", "a draft with experts splits them as the target does; a dense draft has "
+                               "no layer it applies to"),
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding as vLLM users write `--speculative-config`: a proposer method and k tokens per step.
+    ngram: prompt lookup over the request's own tokens (prompt_lookup_min..max long matches); draft_model: a
+    smaller model sharing the tokenizer (`model`), its tensor-parallel size 1 or the target's."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None  # draft_model: an HF-format directory
+    draft_tensor_parallel_size: int | None = None  # None: the target's
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method={self.method!r} is not supported; choose "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        k = self.num_speculative_tokens
+        if not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 16):
+            raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an integer in [1, 16]")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"speculative_config.prompt_lookup_min={lo!r} and prompt_lookup_max={hi!r} must be "
+                             "integers with 1 <= min <= max")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config.model must name the draft model's directory for method "
+                             "'draft_model'")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config.model is for method 'draft_model'; 'ngram' uses no model")
+
+    def draft_parallel_config(self, target: ParallelConfig) -> ParallelConfig:
+        """The target's ParallelConfig, copied, with the overrides DRAFT_PARALLEL_POLICY names."""
+        tp = target.tensor_parallel_size if self.draft_tensor_parallel_size is None else \
+            self.draft_tensor_parallel_size
+        if tp not in (1, target.tensor_parallel_size):
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp} must be 1 or the target's "
+                             f"tensor_parallel_size={target.tensor_parallel_size}")
+        if tp != target.tensor_parallel_size and target.nnodes > 1:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp}: a target spread over "
+                             f"nnodes={target.nnodes} needs a draft on all its ranks (the target's size)")
+        overrides = {"tensor_parallel_size": tp}
+        assert set(overrides) == {f for f, (policy, _) in DRAFT_PARALLEL_POLICY.items() if policy == "override"}
+        return dataclasses.replace(target, **overrides)
+
+    def draft_model_config(self, target: ModelConfig, draft: ModelConfig) -> ModelConfig:
+        """The draft's own architecture and weights (`draft`, read from its directory by the args layer), with the
+        target's dtype, length and load format: the two must agree token for token and position for position."""
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config.model={self.model!r}: its vocabulary ({draft.vocab_size}) differs "
+                             f"from the target's ({target.vocab_size}); the draft must share the tokenizer")
+        return dataclasses.replace(draft, dtype=target.dtype, max_model_len=target.max_model_len,
+                                   load_format=target.load_format)
+
+
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
