@@ -294,6 +294,28 @@ class SpeculativeConfig:
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config.model is for method 'draft_model'; 'ngram' uses no model")
 
+    @staticmethod
+    def parse(value: str | dict | SpeculativeConfig) -> SpeculativeConfig:
+        """From JSON text or a dict with the fields above; unknown keys are an error naming them."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {', '.join(sorted(known))}")
+        missing = [k for k in ("method", "num_speculative_tokens") if k not in value]
+        if missing:
+            raise ValueError(f"speculative_config needs {missing} (e.g. {{\"method\": \"ngram\", "
+                             "\"num_speculative_tokens\": 3}})")
+        return SpeculativeConfig(**value)
+
     def draft_parallel_config(self, target: ParallelConfig) -> ParallelConfig:
         """The target's ParallelConfig, copied, with the overrides DRAFT_PARALLEL_POLICY names."""
         tp = target.tensor_parallel_size if self.draft_tensor_parallel_size is None else \
@@ -382,6 +404,7 @@ class EngineConfig:
     warmup_workers: int = 1  # kernel warm-up compile threads; 1 is serial (the default), kernels opt in to more
     weight_cache_config: WeightCacheConfig = field(default_factory=WeightCacheConfig)
     kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if not (isinstance(self.warmup_workers, int) and 1 <= self.warmup_workers <= 64):

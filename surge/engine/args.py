@@ -16,7 +16,7 @@ import torch
 
 import surge.weight_cache.ipc_loader  # noqa: F401 (registers the weight_cache load format)
 from surge.config import (WEIGHT_CACHE_MODES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
-                          ParallelConfig, SchedulerConfig, WeightCacheConfig)
+                          ParallelConfig, SchedulerConfig, SpeculativeConfig, WeightCacheConfig)
 from surge.model.loader.base import load_formats
 from surge.model.models.registry import MODEL_REGISTRY
 from surge.model.presets import preset_model_config
@@ -63,6 +63,8 @@ class EngineArgs:
     # A KV connector, as JSON text or a dict: {"kv_connector": NAME, "kv_role": "kv_both", ...}.
     kv_transfer_config: str | dict | None = None
     kv_offload_gib: float | None = None  # the CPU offload tier's size: OffloadingConnector, unless one is named
+    # Speculative decoding, as JSON text or a dict: {"method": "ngram", "num_speculative_tokens": k, ...}.
+    speculative_config: str | dict | None = None
 
     # ---- command line ----
     @staticmethod
@@ -102,6 +104,9 @@ class EngineArgs:
         g.add_argument("--master-addr", default=d.master_addr, help="address of node 0, where the ranks meet")
         g.add_argument("--master-port", type=int, default=d.master_port, help="port on node 0 where the ranks meet "
                        "(required with --nnodes > 1; default: a free port)")
+        g.add_argument("--speculative-config", default=d.speculative_config, help="speculative decoding as JSON, "
+                       "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' "
+                       "(greedy requests are verified exactly; others decode as without it)")
         g = p.add_argument_group("KV transfer (reuse prefixes across restarts and instances)")
         g.add_argument("--kv-transfer-config", default=d.kv_transfer_config, help="a KV connector as JSON, e.g. "
                        "'{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
@@ -173,7 +178,16 @@ class EngineArgs:
             warmup_workers=self.warmup_workers,
             weight_cache_config=weight_cache_config,
             kv_transfer_config=self.create_kv_transfer_config(),
+            speculative_config=self.create_speculative_config(),
         )
+
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        config = SpeculativeConfig.parse(self.speculative_config)
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config.method={config.method!r} is not available yet; 'ngram' is")
+        return config
 
     def create_kv_transfer_config(self) -> KVTransferConfig | None:
         if self.kv_offload_gib is not None and not (isinstance(self.kv_offload_gib, (int, float))

@@ -18,6 +18,7 @@ from surge.core.scheduler_output import SchedulerOutput
 from surge.distributed.lifecycle import freeze_startup_objects
 from surge.kv_transfer.base import KVConnectorRole
 from surge.kv_transfer.factory import create_connector
+from surge.spec_decode.ngram import NgramProposer
 from surge.logger import init_logger
 from surge.worker.executor import StepHandle, create_executor
 from surge.worker.model_runner import ModelRunnerOutput
@@ -71,6 +72,8 @@ class EngineCore:
         # The scheduler half of the KV connector, if any (each worker rank holds the other half).
         self.kv_connector = create_connector(config, KVConnectorRole.SCHEDULER, self.executor.kv_cache_config)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector)
+        sc = config.speculative_config
+        self.proposer = NgramProposer(sc) if sc is not None and sc.method == "ngram" else None
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._first_scheduled: dict[str, float] = {}  # request id -> when first scheduled, until its first output
@@ -157,6 +160,17 @@ class EngineCore:
         self._in_flight = (sched_out, launched)
         return outputs
 
+    def _propose(self, requests) -> None:
+        """Drafts for the next step of requests whose verification is exact here: greedy, no penalties, logprobs or
+        min_tokens still holding back stops; none for a request with a token still in flight."""
+        for req in requests:
+            p = req.params
+            if (req.is_finished or req.num_pending_tokens or not p.greedy or p.uses_penalties
+                    or p.logprobs is not None or req.num_output_tokens < p.min_tokens):
+                continue
+            left = None if p.max_tokens is None else p.max_tokens - req.num_output_tokens - 1
+            req.spec_token_ids = self.proposer.propose(req.token_ids, left)
+
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         sched_out, launched = self._in_flight
         self._in_flight = None
@@ -166,12 +180,14 @@ class EngineCore:
         # Requests still known before the update (a finished one is dropped from the scheduler by it).
         live = {s.request_id: req for s in sched_out.scheduled
                 if (req := self.scheduler.requests.get(s.request_id)) is not None}
-        progressed = {req.request_id: tokens for req, tokens in self.scheduler.update_from_output(
+        progressed = {req.request_id: (req, tokens) for req, tokens in self.scheduler.update_from_output(
             sched_out, result.sampled, result.kv_connector_output)}
+        if self.proposer is not None:
+            self._propose(req for req, _ in progressed.values())
         outputs = []
         for rid, req in live.items():
             prompt_lp = result.prompt_logprobs.get(rid)
-            tokens = progressed.get(rid)
+            tokens = progressed[rid][1] if rid in progressed else None
             if tokens is None and prompt_lp is None:
                 continue
             lp = result.logprobs.get(rid)

@@ -202,10 +202,10 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest], states: list[CachedRequestState]) -> StepBatch:
         """Token ids, positions, slot mappings and block tables into the persistent buffers; metadata per group."""
-        for s in scheduled:
-            if s.spec_token_ids:
-                raise NotImplementedError(f"request {s.request_id!r} carries draft tokens; verifying them needs a "
-                                          "rejection sampler (speculative decoding), which this runner lacks")
+        for s, state in zip(scheduled, states):
+            if s.spec_token_ids and not state.params.greedy:
+                raise NotImplementedError(f"request {s.request_id!r}: draft tokens are verified for greedy requests "
+                                          "only (rejection sampling for the others is not here yet)")
         num_tokens, num_reqs, query_start_loc, seq_lens = self.inputs.fill(scheduled, states, self._last_sampled,
                                                                            self._last_rows)
         max_query_len = max(s.num_new_tokens for s in scheduled)
@@ -265,6 +265,24 @@ class ModelRunner:
             sampled = torch.empty(len(idx), dtype=torch.int64, device=self.device)
         self._last_sampled = self.tp.broadcast(sampled)
         self._last_rows = {rid: j for j, rid in enumerate(sample_ids)}
+        self._verify_drafts(batch, hidden, pending)
+
+    def _verify_drafts(self, batch: StepBatch, hidden: torch.Tensor, pending: PendingOutput) -> None:
+        """Greedy verification: the target's argmax at the position of the last known token and of each draft but
+        the last (the last position's token, already sampled, is the bonus). The host accepts the drafts up to the
+        first that differs and takes the target's token there: exactly what decoding one by one would give."""
+        qsl = batch.meta[0].query_start_loc
+        rows, idx = [], []
+        for i, s in enumerate(batch.scheduled):
+            if s.spec_token_ids:
+                k = len(s.spec_token_ids)
+                rows.append((s.request_id, s.spec_token_ids, len(idx)))
+                idx.extend(range(qsl[i + 1] - 1 - k, qsl[i + 1] - 1))
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[device_tensor(idx, self.device, torch.long)])
+        if logits is not None:
+            pending.verify = (rows, _to_host(logits.argmax(dim=-1)))
 
     def _sampling_row(self, s: ScheduledRequest, req: CachedRequestState) -> SamplingRow:
         p = req.params
@@ -297,6 +315,8 @@ class PendingOutput:
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     prompt_logprobs: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     kv_output: KVConnectorOutput | None = None
+    # Greedy draft verification: ((request id, drafts, offset into the argmax tensor) per request, target argmax).
+    verify: tuple[list[tuple[str, list[int], int]], torch.Tensor] | None = None
 
     def ready(self) -> bool:
         """True once result() would not wait."""
@@ -313,6 +333,18 @@ class PendingOutput:
             for j, (rid, num) in enumerate(zip(self.sample_ids, self.num_logprobs)):
                 if num is not None:
                     result.logprobs[rid] = [(ids[j][:1 + num], lps[j][:1 + num], ranks[j])]
+        if self.verify is not None:
+            rows, argmax = self.verify
+            targets = argmax.tolist()
+            for rid, drafts, offset in rows:
+                tokens = []
+                for j, draft in enumerate(drafts):
+                    tokens.append(targets[offset + j])
+                    if draft != targets[offset + j]:
+                        break
+                else:
+                    tokens += result.sampled[rid]  # every draft accepted: the last position's token is the bonus
+                result.sampled[rid] = tokens
         for rid, first, ids, lps, ranks in self.prompt_logprobs:
             result.prompt_logprobs[rid] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
         return result

@@ -1,0 +1,91 @@
+"""n-gram speculative decoding: the proposer against a plain scan, and greedy output identical with and without
+speculation (k = 1, 3, 5), through prefix caching, chunked prefill and preemption, with drafts really accepted."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from surge import LLM, SamplingParams
+from surge.config import SpeculativeConfig
+from surge.spec_decode.ngram import NgramProposer
+from tiny_models import make_tiny_model
+
+
+def reference_propose(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """The longest suffix (hi down to lo) seen earlier, its most recent occurrence, the k tokens after it."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_proposer_matches_a_plain_scan():
+    rng = random.Random(0)
+    for _ in range(500):
+        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 40))]
+        k, lo = rng.randint(1, 5), rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        got = NgramProposer(SpeculativeConfig("ngram", k, prompt_lookup_min=lo, prompt_lookup_max=hi)).propose(tokens)
+        assert got == reference_propose(tokens, k, lo, hi), (tokens, k, lo, hi)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3-hybrid"])
+def model_dir(request, tmp_path_factory):
+    return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _prompts() -> list[list[int]]:
+    """Prompts that repeat themselves (quoting), so lookups find matches."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n in (6, 9, 13, 4):
+        piece = torch.randint(3, 256, (n,), generator=g).tolist()
+        out.append(piece * 3 + piece[:2])
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("engine", [dict(kv_cache_memory=1 << 22),
+                                    dict(num_gpu_blocks_override=40, max_num_batched_tokens=16)],
+                         ids=["plain", "preempted-chunked"])
+def test_greedy_identical_with_and_without_speculation(model_dir, k, engine):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = dict(block_size=4, max_model_len=128, device="cpu", **engine)
+    ref = LLM(model_dir, **base).generate(_prompts(), params, use_tqdm=False)
+    llm = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **base)
+    accepted = []
+    inner = llm.engine.scheduler.update_from_output
+
+    def count(out, sampled, kv_output=None):
+        accepted.extend(len(tokens) - 1 for tokens in sampled.values())
+        return inner(out, sampled, kv_output)
+
+    llm.engine.scheduler.update_from_output = count
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert sum(accepted) > 0  # drafts were accepted, so the comparison covered speculation
+    assert llm.engine.kv_cache_manager.usage == 0.0
+    if "num_gpu_blocks_override" in engine:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("extra", [dict(async_scheduling=True), dict(tensor_parallel_size=2)], ids=["async", "tp2"])
+def test_greedy_identical_under_async_scheduling_and_tensor_parallelism(tmp_path, extra):
+    """Drafts make the engine step synchronously while they exist; requests without them still overlap. Under TP the
+    ranks run the verification step like any other."""
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True)]  # no drafts: it samples
+    base = dict(block_size=4, max_model_len=128, device="cpu", kv_cache_memory=1 << 22)
+    prompts = _prompts()[:2]
+    ref = LLM(model_dir, **base).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **base, **extra)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
