@@ -297,24 +297,8 @@ class SpeculativeConfig:
     @staticmethod
     def parse(value: str | dict | SpeculativeConfig) -> SpeculativeConfig:
         """From JSON text or a dict with the fields above; unknown keys are an error naming them."""
-        if isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {', '.join(sorted(known))}")
-        missing = [k for k in ("method", "num_speculative_tokens") if k not in value]
-        if missing:
-            raise ValueError(f"speculative_config needs {missing} (e.g. {{\"method\": \"ngram\", "
-                             "\"num_speculative_tokens\": 3}})")
-        return SpeculativeConfig(**value)
+        return _parse_json_config(SpeculativeConfig, "speculative_config", value, ("method", "num_speculative_tokens"),
+                                  '{"method": "ngram", "num_speculative_tokens": 3}')
 
     def draft_parallel_config(self, target: ParallelConfig) -> ParallelConfig:
         """The target's ParallelConfig, copied, with the overrides DRAFT_PARALLEL_POLICY names."""
@@ -374,22 +358,29 @@ class KVTransferConfig:
     @staticmethod
     def parse(value: str | dict | KVTransferConfig) -> KVTransferConfig:
         """From JSON text or a dict with the keys above; unknown keys are an error naming them."""
-        if isinstance(value, KVTransferConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(KVTransferConfig)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown keys {unknown}; known: {', '.join(sorted(known))}")
-        if "kv_connector" not in value:
-            raise ValueError("kv_transfer_config needs \"kv_connector\" (e.g. \"OffloadingConnector\")")
-        return KVTransferConfig(**value)
+        return _parse_json_config(KVTransferConfig, "kv_transfer_config", value, ("kv_connector",),
+                                  '{"kv_connector": "OffloadingConnector"}')
+
+
+def _parse_json_config(cls: type, name: str, value, required: tuple[str, ...], example: str):
+    """A config written as JSON text (a CLI flag) or a dict (Python): an object whose keys are cls's fields."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {unknown}; known: {', '.join(sorted(known))}")
+    missing = [k for k in required if k not in value]
+    if missing:
+        raise ValueError(f"{name} needs {missing} (e.g. {example})")
+    return cls(**value)
 
 
 @dataclass(frozen=True)

@@ -226,17 +226,19 @@ class OffloadingConnector(KVConnectorBase):
             with self._lock:
                 self._failed_recving.add(job.request_id)
 
+    def _group_copies(self, job: CopyJob):
+        """Per stored group with something to copy: (its layer ids, its pool, [(slot, GPU block)])."""
+        for j, g in enumerate(self.groups):
+            copies = [(c.slot, c.block_ids[j]) for c in job.copies if c.block_ids[j] >= 0]
+            if copies:
+                yield self.kv_cache_config.groups[g].layer_ids, self._pool[g], copies
+
     def _copy_in(self, job: CopyJob) -> None:
         """The job's pool slots into its blocks, per stored group: a copy per run of consecutive slots from the
         (pinned) pool straight to the device, then one scatter per layer."""
         start = time.perf_counter()
         nbytes = 0
-        for j, g in enumerate(self.groups):
-            copies = [(c.slot, c.block_ids[j]) for c in job.copies if c.block_ids[j] >= 0]
-            if not copies:
-                continue
-            layers = self.kv_cache_config.groups[g].layer_ids
-            pool = self._pool[g]
+        for layers, pool, copies in self._group_copies(job):
             device = self._caches[layers[0]].device
             staging = torch.empty((len(copies), *pool.shape[1:]), dtype=pool.dtype, device=device)
             for first, lo, hi in _runs([slot for slot, _ in copies]):
@@ -271,12 +273,7 @@ class OffloadingConnector(KVConnectorBase):
         for job in meta.saves:
             nbytes, keep = 0, []
             with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-                for j, g in enumerate(self.groups):
-                    copies = [(c.slot, c.block_ids[j]) for c in job.copies if c.block_ids[j] >= 0]
-                    if not copies:
-                        continue
-                    layers = self.kv_cache_config.groups[g].layer_ids
-                    pool = self._pool[g]
+                for layers, pool, copies in self._group_copies(job):
                     ids = torch.tensor([b for _, b in copies], device=self._caches[layers[0]].device)
                     # [layers, 2, n, bs, H, D] -> [n, layers, 2, bs, H, D]: a slot's layers side by side
                     gathered = torch.stack([self._caches[layer].index_select(1, ids) for layer in layers])
