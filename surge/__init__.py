@@ -1,7 +1,7 @@
 """Surge: a compact, fast LLM inference and serving engine."""
 from surge.entrypoints.llm import LLM
 from surge.outputs import CompletionOutput, Logprob, RequestOutput
-from surge.sampling_params import SamplingParams
+from surge.sampling_params import SamplingParams, StructuredOutputsParams
 from surge.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

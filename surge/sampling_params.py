@@ -19,6 +19,41 @@ def _check(ok: bool, name: str, value, allowed: str) -> None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language: exactly one of the fields below (vLLM's names and meanings).
+
+    json: a JSON schema (dict or JSON text); json_object: any JSON object; regex; choice: one of these strings;
+    grammar: an EBNF / Lark grammar. The engine compiles it through its grammar library (surge/structured_output/).
+    """
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        _check(len(kinds) == 1, "structured_outputs", kinds,
+               "set exactly one of json, regex, choice, grammar, json_object")
+        _check(self.choice is None or (isinstance(self.choice, list) and self.choice
+                                       and all(isinstance(c, str) for c in self.choice)),
+               "structured_outputs.choice", self.choice, "must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value), f"structured_outputs.{name}", value,
+                   "must be a non-empty string")
+        _check(self.json is None or isinstance(self.json, (str, dict)), "structured_outputs.json", self.json,
+               "must be a JSON schema, as a dict or JSON text")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None) \
+            if not self.json_object else "json_object"
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -38,6 +73,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
     # Filled by the engine from the model's generation config; not for users.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -75,6 +111,10 @@ class SamplingParams:
                "must be a non-empty string or a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be a list of non-negative token ids")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams, a dict or None")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= _MAX_LOGPROBS), name, value,

@@ -20,6 +20,7 @@ from surge.config import (WEIGHT_CACHE_MODES, CacheConfig, EngineConfig, KVTrans
 from surge.model.loader.base import load_formats
 from surge.model.models.registry import MODEL_REGISTRY
 from surge.model.presets import preset_model_config
+from surge.structured_output.reasoning import REASONING_MARKERS
 
 # "auto": the checkpoint of a model directory, random weights for a preset.
 AUTO_LOAD_FORMAT = "auto"
@@ -65,6 +66,9 @@ class EngineArgs:
     kv_offload_gib: float | None = None  # the CPU offload tier's size: OffloadingConnector, unless one is named
     # Speculative decoding, as JSON text or a dict: {"method": "ngram", "num_speculative_tokens": k, ...}.
     speculative_config: str | dict | None = None
+    # Reasoning models: the name of the markers around the reasoning text (surge/structured_output/reasoning.py); a
+    # request's grammar starts after the closing marker, and the server returns the reasoning apart.
+    reasoning_parser: str | None = None
 
     # ---- command line ----
     @staticmethod
@@ -107,6 +111,9 @@ class EngineArgs:
         g.add_argument("--speculative-config", default=d.speculative_config, help="speculative decoding as JSON, "
                        "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' "
                        "(greedy requests are verified exactly; others decode as without it)")
+        g.add_argument("--reasoning-parser", default=d.reasoning_parser, choices=sorted(REASONING_MARKERS),
+                       help="the model writes reasoning between these markers: the server returns it as "
+                       "reasoning_content, and structured output constrains only the text after it")
         g = p.add_argument_group("KV transfer (reuse prefixes across restarts and instances)")
         g.add_argument("--kv-transfer-config", default=d.kv_transfer_config, help="a KV connector as JSON, e.g. "
                        "'{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
