@@ -40,3 +40,4 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # the KV connector's, once finished (a prefill instance's for its decode)

@@ -74,6 +74,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
+    # For the KV connector (prefill/decode disaggregation): {"do_remote_decode": true} or a prefill's returned params.
+    kv_transfer_params: dict | None = None
     # Filled by the engine from the model's generation config; not for users.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -115,6 +117,8 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams, a dict or None")
+        _check(self.kv_transfer_params is None or isinstance(self.kv_transfer_params, dict), "kv_transfer_params",
+               self.kv_transfer_params, "must be an object or None")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= _MAX_LOGPROBS), name, value,

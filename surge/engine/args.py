@@ -64,6 +64,7 @@ class EngineArgs:
     # A KV connector, as JSON text or a dict: {"kv_connector": NAME, "kv_role": "kv_both", ...}.
     kv_transfer_config: str | dict | None = None
     kv_offload_gib: float | None = None  # the CPU offload tier's size: OffloadingConnector, unless one is named
+    kv_transfer_timeout: float | None = None  # prefill -> decode: seconds a finished request's blocks wait to be read
     # Speculative decoding, as JSON text or a dict: {"method": "ngram", "num_speculative_tokens": k, ...}.
     speculative_config: str | dict | None = None
     # Reasoning models: the name of the markers around the reasoning text (surge/structured_output/reasoning.py); a
@@ -122,6 +123,9 @@ class EngineArgs:
         g.add_argument("--kv-offload-gib", type=float, default=d.kv_offload_gib, help="size of the CPU offload "
                        "tier in GiB: KV blocks of finished prefixes kept in (pinned) host memory, loaded back on a "
                        "later hit (the OffloadingConnector)")
+        g.add_argument("--kv-transfer-timeout", type=float, default=d.kv_transfer_timeout, help="prefill instance "
+                       "(MooncakeTransferConnector): seconds a finished request's KV blocks wait for the decode "
+                       "instance to read them before they are freed (default 30)")
         g = p.add_argument_group("loading (Fast Start: `surge weight-cache serve` keeps the weights loaded)")
         g.add_argument("--load-format", default=d.load_format, choices=list(_load_format_choices()),
                        help="weight_cache: map the weights from this node's weight-cache daemons")
@@ -201,10 +205,19 @@ class EngineArgs:
                                                     and self.kv_offload_gib > 0):
             raise ValueError(f"kv_offload_gib={self.kv_offload_gib!r} must be a positive number of GiB")
         if self.kv_transfer_config is None:
+            if self.kv_transfer_timeout is not None:
+                raise ValueError("kv_transfer_timeout (--kv-transfer-timeout) needs a kv_transfer_config naming the "
+                                 "MooncakeTransferConnector")
             if self.kv_offload_gib is None:
                 return None
             return KVTransferConfig("OffloadingConnector", "kv_both", {"cpu_gib": float(self.kv_offload_gib)})
         config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_transfer_timeout is not None:
+            if not (isinstance(self.kv_transfer_timeout, (int, float)) and self.kv_transfer_timeout > 0):
+                raise ValueError(f"kv_transfer_timeout={self.kv_transfer_timeout!r} must be a positive number of "
+                                 "seconds")
+            extra = {**config.kv_connector_extra_config, "timeout_s": float(self.kv_transfer_timeout)}
+            config = dataclasses.replace(config, kv_connector_extra_config=extra)
         if self.kv_offload_gib is not None:
             extra = {"cpu_gib": float(self.kv_offload_gib), **config.kv_connector_extra_config}
             config = dataclasses.replace(config, kv_connector_extra_config=extra)

@@ -39,6 +39,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # With a request's first output: (queued, first scheduled) in time.monotonic(), which the front end on this host
     # shares; its queue and prefill time metrics start there.
     timestamps: tuple[float, float] | None = None
+    kv_transfer_params: dict | None = None  # a finished request's, from the KV connector (prefill -> decode)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -200,5 +201,6 @@ class EngineCore:
                 logprobs=lp[:len(tokens)] if lp is not None and tokens else None,
                 prompt_logprobs=prompt_lp,
                 timestamps=(req.arrival_time, self._first_scheduled.pop(rid)) if rid in self._first_scheduled
-                else None))
+                else None,
+                kv_transfer_params=req.kv_transfer_params if req.is_finished else None))
         return outputs

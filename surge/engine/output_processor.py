@@ -77,6 +77,7 @@ class ParentState:
     output_kind: OutputKind = OutputKind.CUMULATIVE
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -125,6 +126,8 @@ class OutputProcessor:
             if stats is not None and o.new_token_ids:
                 self._record_token_times(parent, sample, len(o.new_token_ids), now, stats)
             parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
+            if o.kv_transfer_params is not None:
+                parent.kv_transfer_params = o.kv_transfer_params
             if o.prompt_logprobs is not None and parent.prompt_logprobs is not None and sample.index == 0:
                 self._add_prompt_logprobs(parent, o.prompt_logprobs)
             if o.new_token_ids:
@@ -224,7 +227,8 @@ class OutputProcessor:
             return None
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids, outputs=outs, finished=parent.finished,
-                             prompt_logprobs=parent.prompt_logprobs, num_cached_tokens=parent.num_cached_tokens)
+                             prompt_logprobs=parent.prompt_logprobs, num_cached_tokens=parent.num_cached_tokens,
+                             kv_transfer_params=parent.kv_transfer_params)
 
     @staticmethod
     def _delta(s: SampleState) -> CompletionOutput | None:

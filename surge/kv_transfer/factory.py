@@ -10,6 +10,7 @@ from surge.kv_transfer.base import KVConnectorBase, KVConnectorRole
 _CONNECTORS: dict[str, str | type[KVConnectorBase]] = {
     "OffloadingConnector": "surge.kv_transfer.offload:OffloadingConnector",
     "MooncakeStoreConnector": "surge.kv_transfer.mooncake_store:MooncakeStoreConnector",
+    "MooncakeTransferConnector": "surge.kv_transfer.transfer_connector:MooncakeTransferConnector",
 }
 
 

@@ -56,7 +56,8 @@ class ChatHandler:
         num_completion = sum(len(c.token_ids) for c in out.outputs)
         usage = UsageInfo(len(token_ids), num_completion, len(token_ids) + num_completion,
                           PromptTokensDetails(out.num_cached_tokens))
-        return Response(encode(ChatCompletionResponse(request_id, now(), model, choices, usage)),
+        return Response(encode(ChatCompletionResponse(request_id, now(), model, choices, usage,
+                                                      kv_transfer_params=out.kv_transfer_params)),
                         media_type="application/json")
 
     async def _stream(self, req: ChatCompletionRequest, model: str, request_id: str, token_ids: list[int],

@@ -78,7 +78,8 @@ class CompletionsHandler:
         num_completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         usage = UsageInfo(num_prompt, num_completion, num_prompt + num_completion,
                           PromptTokensDetails(sum(o.num_cached_tokens for o in outputs)))
-        return Response(encode(CompletionResponse(request_id, now(), model, choices, usage)),
+        return Response(encode(CompletionResponse(request_id, now(), model, choices, usage,
+                                                  kv_transfer_params=outputs[0].kv_transfer_params)),
                         media_type="application/json")
 
     def _prompt_text(self, prompt: tuple[str | None, list[int]]) -> str:

@@ -44,6 +44,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Prefill/decode disaggregation (as vLLM): {"do_remote_decode": true} on the prefill leg; the params the prefill
+    # instance returned on the decode leg.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -167,6 +170,7 @@ class CompletionResponse(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     object: str = "text_completion"
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's, for the decode leg
 
 
 # ---- chat completions ----
@@ -207,6 +211,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: UsageInfo
     object: str = "chat.completion"
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's, for the decode leg
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
@@ -288,6 +293,7 @@ class ResponseObject(msgspec.Struct):
     truncation: str = "disabled"
     text: dict[str, Any] = msgspec.field(default_factory=lambda: {"format": {"type": "text"}})
     object: str = "response"
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's, for the decode leg
 
 
 class ResponseEvent(msgspec.Struct, omit_defaults=True):

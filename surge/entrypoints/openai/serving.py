@@ -114,6 +114,7 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                kv_transfer_params=req.kv_transfer_params,
                 **{k: v for k, v in fields.items() if v is not None})
         except ValueError as e:
             message = str(e)
