@@ -63,9 +63,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from surge import envs
     from surge.entrypoints.openai.app import run_server
+    from surge.entrypoints.openai.options import ServerOptions
     run_server(EngineArgs.from_cli_args(args), host=args.host, port=args.port,
                api_key=args.api_key or envs.SURGE_API_KEY, served_model_names=args.served_model_name,
-               log_level=args.log_level, access_log=not args.no_access_log, metrics_prefix=args.metrics_prefix)
+               log_level=args.log_level, access_log=not args.no_access_log, metrics_prefix=args.metrics_prefix,
+               options=ServerOptions.from_cli_args(args))
     return 0
 
 
@@ -147,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
     g.add_argument("--metrics-prefix", default="surge", help="prefix of the /metrics names (default: surge); "
                    "'vllm' gives vLLM's exact names, for its dashboards and alerts")
+    from surge.entrypoints.openai.options import ServerOptions
+    ServerOptions.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("model-path", help="print the default model's directory (preparing it if needed)")

@@ -4,7 +4,6 @@ httptools). Every error is answered in OpenAI's shape; none of them stops the se
 from __future__ import annotations
 
 import contextlib
-import hmac
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,56 +19,38 @@ from surge.engine.async_llm import AsyncLLM
 from surge.entrypoints.openai.chat import ChatHandler
 from surge.entrypoints.openai.completions import CompletionsHandler
 from surge.entrypoints.openai.errors import APIError
+from surge.entrypoints.openai.guard import ApiKeyMiddleware, InternalErrorMiddleware, error_response, read_json
 from surge.entrypoints.openai.metrics import PrometheusMetrics, check_metrics_prefix
 from surge.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                DetokenizeResponse, ModelCard, ModelList, ResponsesRequest,
-                                               TokenizeRequest, TokenizeResponse, decode_request)
+                                               TokenizeRequest, TokenizeResponse)
 from surge.entrypoints.openai.responses import ResponsesHandler
+from surge.entrypoints.openai.options import ServerOptions
 from surge.entrypoints.openai.serving import ClientDisconnected, OpenAIServing, encode
 from surge.logger import init_logger
 from surge.version import __version__
 
 logger = init_logger(__name__)
 
-# Paths anyone may read without the API key: probes and scrapers.
-_OPEN_PATHS = ("/health", "/version", "/metrics")
-
 
 def _json(obj, status: int = 200) -> Response:
     return Response(encode(obj), status_code=status, media_type="application/json")
 
 
-def _error(e: APIError) -> Response:
-    return _json(e.to_response(), e.status)
-
-
-class ApiKeyMiddleware:
-    """Bearer-token check in front of every path except the open ones (pure ASGI: streaming stays untouched)."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "invalid API key: send it as 'Authorization: Bearer <key>'",
-                                 code="invalid_api_key")
-                await _error(error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+_error = error_response
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              metrics: PrometheusMetrics | None = None) -> Starlette:
-    serving = OpenAIServing(engine, served_model_names)
+              metrics: PrometheusMetrics | None = None, options: ServerOptions | None = None) -> Starlette:
+    options = options or ServerOptions()
+    serving = OpenAIServing(engine, served_model_names, options)
+    limits = options.limits
     completions, chat, responses = CompletionsHandler(serving), ChatHandler(serving), ResponsesHandler(serving)
     created = int(time.time())
 
     def endpoint(handler, request_type):
         async def route(request: Request) -> Response:
-            body = decode_request(await request.body(), request_type)
+            body = await read_json(request, limits, request_type)
             try:
                 return await handler.create(body, request)
             except ClientDisconnected:
@@ -99,18 +80,19 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         return _json(card(name))
 
     async def tokenize(request: Request) -> Response:
-        req = decode_request(await request.body(), TokenizeRequest)
+        req = await read_json(request, limits, TokenizeRequest)
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            tokens = serving.render(serving.chat_messages(req.messages), req.add_generation_prompt)
+            tokens = serving.render(serving.chat_messages(req.messages), req.add_generation_prompt,
+                                    req.chat_template_kwargs, req.chat_template)
         else:
             tokens = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return _json(TokenizeResponse(tokens, len(tokens), serving.max_model_len))
 
     async def detokenize(request: Request) -> Response:
-        req = decode_request(await request.body(), DetokenizeRequest)
+        req = await read_json(request, limits, DetokenizeRequest)
         serving.check_model(req.model)
         tokens = serving.check_token_ids(req.tokens, "tokens")
         return _json(DetokenizeResponse(serving.tokenizer.decode(tokens)))
@@ -124,10 +106,6 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     async def http_error(request: Request, e: HTTPException) -> Response:
         return _error(APIError(e.status_code, e.detail or "error", code="not_found" if e.status_code == 404 else None))
-
-    async def internal_error(request: Request, e: Exception) -> Response:
-        logger.exception("unhandled error on %s", request.url.path)
-        return _error(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -147,9 +125,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/metrics", prometheus, methods=["GET"]),
         ],
-        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error},
+        # Anything else is InternalErrorMiddleware's: a handler for Exception would be Starlette's outermost
+        # middleware, which re-raises after answering and so drops the client's keep-alive connection.
+        exception_handlers={APIError: api_error, HTTPException: http_error},
         lifespan=lifespan,
     )
+    app.add_middleware(InternalErrorMiddleware)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.state.serving = serving
@@ -157,7 +138,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
 
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None, served_model_names: list[str] | None,
-               log_level: str = "info", access_log: bool = True, metrics_prefix: str = "surge") -> None:
+               log_level: str = "info", access_log: bool = True, metrics_prefix: str = "surge",
+               options: ServerOptions | None = None) -> None:
     import uvicorn
 
     check_metrics_prefix(metrics_prefix)
@@ -168,7 +150,7 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
     try:
         metrics = PrometheusMetrics(names[0], config, engine.core.ready.num_kv_blocks, metrics_prefix)
         engine.stats_observers.append(metrics)
-        app = build_app(engine, names, api_key, metrics)
+        app = build_app(engine, names, api_key, metrics, options)
         logger.info("serving %s as %s on http://%s:%d", config.model_config.model, ", ".join(names), host, port)
         uvicorn.run(app, host=host, port=port, loop="uvloop", http="httptools", log_level=log_level,
                     access_log=access_log, timeout_graceful_shutdown=5)

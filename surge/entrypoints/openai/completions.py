@@ -10,6 +10,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
 
 from surge.engine.detokenizer import decode_token
+from surge.entrypoints.openai import structured
 from surge.entrypoints.openai.errors import bad_request
 from surge.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                CompletionResponse, PromptTokensDetails, UsageInfo)
@@ -55,18 +56,30 @@ class CompletionsHandler:
                               "prompt (with its logprobs) can be returned", param="max_tokens")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
+        constraint, grammar_param = structured.one_constraint(
+            response_format=structured.response_format(req.response_format),
+            structured_outputs=structured.extra_structured_outputs(req.structured_outputs))
         prompts = self.prompts(req.prompt)
         prompt_logprobs = req.logprobs if req.echo else None
         requests = []
         for text, ids in prompts:
             max_tokens = s.check_lengths(len(ids), req.max_tokens, "max_tokens", "prompt", allow_zero=req.echo)
             requests.append((ids, s.sampling_params(req, max_tokens=max_tokens, n=req.n, stop=req.stop,
-                                                    logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)))
+                                                    logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+                                                    structured_outputs=constraint)))
         request_id = random_id("cmpl-")
         if req.stream:
-            return StreamingResponse(self._stream(req, model, request_id, prompts, requests),
+            streams = []
+            try:
+                for i, (ids, params) in enumerate(requests):
+                    streams.append(await s.start(ids, params, f"{request_id}-p{i}", prompts[i][0]))
+            except Exception as e:
+                for started in streams:
+                    await started.aclose()  # aborts the prompts already added
+                raise engine_error(e, grammar_param) from None
+            return StreamingResponse(self._stream(req, model, request_id, prompts, requests, streams, grammar_param),
                                      media_type="text/event-stream")
-        outputs = await s.run_to_end(http, requests, request_id)
+        outputs = await s.run_to_end(http, requests, request_id, grammar_param)
         choices = []
         for p, out in enumerate(outputs):
             prefix = self._prompt_text(prompts[p]) if req.echo else ""
@@ -88,11 +101,9 @@ class CompletionsHandler:
 
     async def _stream(self, req: CompletionRequest, model: str, request_id: str,
                       prompts: list[tuple[str | None, list[int]]],
-                      requests: list[tuple[list[int], SamplingParams]]) -> AsyncIterator[bytes]:
-        s = self.serving
+                      requests: list[tuple[list[int], SamplingParams]], streams: list[AsyncIterator],
+                      grammar_param: str | None) -> AsyncIterator[bytes]:
         created = now()
-        streams = [s.stream(ids, params, f"{request_id}-p{i}", prompts[i][0])
-                   for i, (ids, params) in enumerate(requests)]
         echoed: set[int] = set()
         num_completion = num_cached = 0
         try:
@@ -117,7 +128,10 @@ class CompletionsHandler:
                                   PromptTokensDetails(num_cached))
                 yield sse(encode(CompletionResponse(request_id, created, model, [], usage)))
         except Exception as e:
-            yield sse(encode(engine_error(e).to_response()))
+            yield sse(encode(engine_error(e, grammar_param).to_response()))
+        finally:
+            for stream in streams:
+                await stream.aclose()  # a client gone mid-stream: abort
         yield b"data: [DONE]\n\n"
 
     def _logprobs(self, c: CompletionOutput, params: SamplingParams,

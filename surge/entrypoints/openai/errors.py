@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import re
+import uuid
 
 import msgspec
+
+from surge.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 class ErrorInfo(msgspec.Struct):
@@ -31,6 +36,14 @@ class APIError(Exception):
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code))
+
+
+def internal_error(e: BaseException, where: str) -> APIError:
+    """A 500 that tells the client nothing of the server's insides; the log has the exception, under the same id."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s on %s: %s: %s", error_id, where, type(e).__name__, e, exc_info=e)
+    return APIError(500, f"the server failed on this request (error id {error_id}, in the server log)",
+                    code="internal_error")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

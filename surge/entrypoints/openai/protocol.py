@@ -59,6 +59,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     stop: str | list[str] | None = None
     logprobs: int | None = None
     echo: bool = False
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar or json_object
     best_of: int | None = None
     suffix: str | None = None
     user: str | None = None
@@ -68,6 +70,9 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[Any] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    reasoning_content: str | None = None  # an assistant's earlier reasoning, sent back: not rendered
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -82,9 +87,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None  # none | auto | required | {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool | None = True
+    response_format: Any = None
+    structured_outputs: dict[str, Any] | None = None
     user: str | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -97,9 +106,10 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     store: bool = True  # accepted and ignored: Surge's Responses API is stateless
     previous_response_id: str | None = None
     tools: list[Any] | None = None
-    tool_choice: Any = "auto"
-    parallel_tool_calls: bool = True
-    text: dict[str, Any] | None = None
+    tool_choice: Any = None  # none | auto | required | {"type": "function", "name": ...}
+    parallel_tool_calls: bool | None = True
+    text: Any = None
+    structured_outputs: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     include: list[str] | None = None  # "message.output_text.logprobs": logprobs of the output text
@@ -112,6 +122,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -191,9 +203,22 @@ class ChoiceLogprobs(msgspec.Struct):
     content: list[TokenLogprob]
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallObject(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCallObject] = []
+    reasoning_content: str | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -214,9 +239,24 @@ class ChatCompletionResponse(msgspec.Struct):
     kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's, for the decode leg
 
 
+class DeltaFunction(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A call's first delta carries its id, type and name (arguments ""); the next ones argument text only."""
+    index: int
+    function: DeltaFunction
+    id: str | None = None
+    type: str | None = None
+
+
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -241,6 +281,28 @@ class OutputText(msgspec.Struct):
     annotations: list[Any] = []
     logprobs: list[Any] = []
     type: str = "output_text"
+
+
+class FunctionCallItem(msgspec.Struct):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str = "completed"
+    type: str = "function_call"
+
+
+class ReasoningText(msgspec.Struct):
+    text: str
+    type: str = "reasoning_text"
+
+
+class ReasoningItem(msgspec.Struct):
+    id: str
+    content: list[ReasoningText]
+    summary: list[Any] = []
+    status: str = "completed"
+    type: str = "reasoning"
 
 
 class OutputMessage(msgspec.Struct):
@@ -276,7 +338,7 @@ class ResponseObject(msgspec.Struct):
     created_at: int
     model: str
     status: str  # in_progress | completed | incomplete | failed
-    output: list[OutputMessage]
+    output: list[Any]  # OutputMessage, FunctionCallItem, ReasoningItem
     instructions: str | None
     max_output_tokens: int | None
     temperature: float | None
@@ -291,7 +353,7 @@ class ResponseObject(msgspec.Struct):
     previous_response_id: str | None = None
     store: bool = False
     truncation: str = "disabled"
-    text: dict[str, Any] = msgspec.field(default_factory=lambda: {"format": {"type": "text"}})
+    text: Any = msgspec.field(default_factory=lambda: {"format": {"type": "text"}})
     object: str = "response"
     kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's, for the decode leg
 
@@ -304,10 +366,11 @@ class ResponseEvent(msgspec.Struct, omit_defaults=True):
     output_index: int | None = None
     content_index: int | None = None
     item_id: str | None = None
-    item: OutputMessage | None = None
+    item: Any = None  # an output item
     part: OutputText | None = None
     delta: str | None = None
     text: str | None = None
+    arguments: str | None = None  # response.function_call_arguments.done
     logprobs: list[Any] | None = None
     # type "error"
     code: str | None = None

@@ -1,19 +1,26 @@
-"""POST /v1/responses: OpenAI's Responses API, stateless. `input` is a string or a list of messages and items,
-`instructions` a leading system message; streaming sends the event sequence OpenAI's clients parse.
+"""POST /v1/responses: OpenAI's Responses API, stateless. `input` is a string or a list of messages and items
+(function calls and their outputs included), `instructions` a leading system message; the output is a list of
+items (reasoning, a message, function calls); streaming sends the event sequence OpenAI's clients parse.
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
 
+from surge.entrypoints.openai import structured
+from surge.entrypoints.openai.choice_output import ChoiceOutputParser, ParsedChoice
+from surge.entrypoints.openai.content import content_text
 from surge.entrypoints.openai.errors import bad_request
-from surge.entrypoints.openai.protocol import (IncompleteDetails, InputTokensDetails, OutputMessage, OutputText,
-                                               OutputTokensDetails, ResponseEvent, ResponseObject, ResponsesRequest,
-                                               ResponseUsage, TokenLogprob)
-from surge.entrypoints.openai.serving import (MAX_TOP_LOGPROBS, OpenAIServing, encode, engine_error, now, random_id,
-                                              shown_logprobs, sse, token_logprobs)
+from surge.entrypoints.openai.responses_stream import stream_events
+from surge.entrypoints.openai.protocol import (FunctionCallItem, IncompleteDetails, InputTokensDetails,
+                                               OutputMessage, OutputText, OutputTokensDetails, ReasoningItem,
+                                               ReasoningText, ResponseObject, ResponsesRequest, ResponseUsage,
+                                               TokenLogprob)
+from surge.entrypoints.openai.serving import (OpenAIServing, encode, engine_error, now, random_id, shown_logprobs,
+                                              token_logprobs)
+from surge.entrypoints.openai.tools import ToolRequest, parse_tools, template_tool_calls
 from surge.outputs import CompletionOutput
 from surge.sampling_params import SamplingParams
 
@@ -25,7 +32,7 @@ class ResponsesHandler:
         self.serving = serving
 
     def conversation(self, req: ResponsesRequest) -> list[dict]:
-        """The request as chat-template messages: instructions first, then the input's messages."""
+        """The request as chat-template messages: instructions first, then the input's messages and items."""
         s = self.serving
         messages = [s.message("system", req.instructions, "instructions")] if req.instructions is not None else []
         if isinstance(req.input, str):
@@ -35,13 +42,37 @@ class ResponsesHandler:
             if not isinstance(item, dict):
                 raise bad_request(f"{param} must be an object (a message or an item)", param=param)
             item_type = item.get("type", "message")
-            if item_type != "message":
-                raise bad_request(f"{param}: input items of type {item_type!r} are not supported yet; only messages "
-                                  "are", param=f"{param}.type", code="unsupported_item_type")
-            if not isinstance(item.get("role"), str):
-                raise bad_request(f"{param}.role must be a string", param=f"{param}.role")
-            messages.append(s.message(item["role"], item.get("content"), param))
-        return messages
+            if item_type == "message":
+                if not isinstance(item.get("role"), str):
+                    raise bad_request(f"{param}.role must be a string", param=f"{param}.role")
+                messages.append(s.message(item["role"], item.get("content"), param))
+            elif item_type == "function_call":
+                messages.append(self._function_call(item, param, messages))
+            elif item_type == "function_call_output":
+                call_id = _string(item, "call_id", param)
+                output = item.get("output")
+                text = output if isinstance(output, str) else content_text(output, f"{param}.output")
+                messages.append({"role": "tool", "content": text, "tool_call_id": call_id})
+            elif item_type != "reasoning":  # earlier reasoning is not rendered again, as chat templates do
+                raise bad_request(f"{param}: input items of type {item_type!r} are not supported; messages, "
+                                  "function_call, function_call_output and reasoning are", param=f"{param}.type",
+                                  code="unsupported_item_type")
+        return [m for m in messages if m is not None]
+
+    @staticmethod
+    def _function_call(item: dict, param: str, messages: list[dict]) -> dict | None:
+        """An earlier call as an assistant message's tool call; calls in a row are one message's calls."""
+        call = {"id": _string(item, "call_id", param), "type": "function",
+                "function": {"name": _string(item, "name", param), "arguments": item.get("arguments", "{}")}}
+        [converted] = template_tool_calls([call], f"{param}")
+        if messages and messages[-1].get("role") == "assistant" and messages[-1].get("tool_calls"):
+            messages[-1]["tool_calls"].append(converted)
+            return None
+        return {"role": "assistant", "content": "", "tool_calls": [converted]}
+
+    def parser(self, tools: ToolRequest | None) -> ChoiceOutputParser:
+        options = self.serving.options
+        return ChoiceOutputParser(options.reasoning_parser, tools, options.tool_call_parser)
 
     async def create(self, req: ResponsesRequest, http: HTTPRequest) -> Response:
         s = self.serving
@@ -49,32 +80,37 @@ class ResponsesHandler:
         if req.previous_response_id is not None:
             raise bad_request("previous_response_id is not supported: this server is stateless; send the whole "
                               "conversation as input", param="previous_response_id")
-        if req.tools:
-            raise bad_request("tools are not supported yet", param="tools")
-        text_format = (req.text or {}).get("format") or {"type": "text"}
-        if text_format.get("type") != "text":
-            raise bad_request("text.format other than {'type': 'text'} is not supported yet", param="text.format")
-        token_ids = s.render(self.conversation(req))
+        tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls, responses=True,
+                            auto_enabled=s.options.enable_auto_tool_choice)
+        constraint, grammar_param = structured.one_constraint(
+            text_format=structured.text_format(req.text),
+            structured_outputs=structured.extra_structured_outputs(req.structured_outputs),
+            tool_choice=tools.structured_outputs() if tools is not None else None)
+        token_ids = s.render(self.conversation(req), tools=tools.template_tools if tools is not None else None)
         max_tokens = s.check_lengths(len(token_ids), req.max_output_tokens, "max_output_tokens", "input")
-        params = s.sampling_params(req, max_tokens=max_tokens, logprobs=self._num_logprobs(req))
+        params = s.sampling_params(req, max_tokens=max_tokens, logprobs=self._num_logprobs(req),
+                                   structured_outputs=constraint)
         response_id = random_id("resp_")
         if req.stream:
-            return StreamingResponse(self._stream(req, model, response_id, token_ids, params),
+            try:
+                outputs = await s.start(token_ids, params, response_id)
+            except Exception as e:
+                raise engine_error(e, grammar_param) from None
+            return StreamingResponse(stream_events(self, req, model, response_id, token_ids, params, outputs,
+                                                   self.parser(tools), grammar_param),
                                      media_type="text/event-stream")
-        [out] = await s.run_to_end(http, [(token_ids, params)], response_id)
+        [out] = await s.run_to_end(http, [(token_ids, params)], response_id, grammar_param)
         c = out.outputs[0]
-        message = OutputMessage(random_id("msg_"), _item_status(c.finish_reason),
-                                [OutputText(c.text, logprobs=self._logprobs(c, params))])
-        response = self._response(req, model, response_id, "completed", [message])
+        output = output_items(self.parser(tools).parse(c.text), _item_status(c.finish_reason),
+                              self._logprobs(c, params))
+        response = self._response(req, model, response_id, "completed", output)
         self._finish(response, len(token_ids), len(c.token_ids), out.num_cached_tokens, c.finish_reason)
         response.kv_transfer_params = out.kv_transfer_params
         return Response(encode(response), media_type="application/json")
 
-    @staticmethod
-    def _num_logprobs(req: ResponsesRequest) -> int | None:
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise bad_request(f"top_logprobs={req.top_logprobs} is invalid: must be in [0, {MAX_TOP_LOGPROBS}]",
-                              param="top_logprobs")
+    def _num_logprobs(self, req: ResponsesRequest) -> int | None:
+        if req.top_logprobs is not None:
+            self.serving.limits.check_logprobs(req.top_logprobs, "top_logprobs")
         if LOGPROBS_INCLUDE not in (req.include or []):
             return None
         return req.top_logprobs or 0
@@ -86,12 +122,14 @@ class ResponsesHandler:
         return token_logprobs(shown_logprobs(c, params, self.serving.tokenizer), params.logprobs)
 
     def _response(self, req: ResponsesRequest, model: str, response_id: str, status: str,
-                  output: list[OutputMessage]) -> ResponseObject:
+                  output: list) -> ResponseObject:
+        text = req.text if isinstance(req.text, dict) and req.text.get("format") else {"format": {"type": "text"}}
         return ResponseObject(id=response_id, created_at=now(), model=model, status=status, output=output,
                               instructions=req.instructions, max_output_tokens=req.max_output_tokens,
                               temperature=req.temperature, top_p=req.top_p, metadata=req.metadata,
-                              parallel_tool_calls=req.parallel_tool_calls, tool_choice=req.tool_choice,
-                              store=False)
+                              parallel_tool_calls=req.parallel_tool_calls is not False,
+                              tool_choice=req.tool_choice if req.tool_choice is not None else
+                              ("auto" if req.tools else "none"), tools=req.tools or [], text=text, store=False)
 
     @staticmethod
     def _finish(response: ResponseObject, num_input: int, num_output: int, num_cached: int,
@@ -104,49 +142,24 @@ class ResponsesHandler:
         else:
             response.status = "completed"
 
-    async def _stream(self, req: ResponsesRequest, model: str, response_id: str, token_ids: list[int],
-                      params: SamplingParams) -> AsyncIterator[bytes]:
-        sequence = 0
 
-        def event(type: str, **fields) -> bytes:
-            nonlocal sequence
-            sequence += 1
-            return sse(encode(ResponseEvent(type=type, sequence_number=sequence - 1, **fields)), event=type)
+def output_items(parsed: ParsedChoice, status: str, logprobs: list[Any]) -> list:
+    """Reasoning, then the message (when there is text, or nothing else), then the function calls."""
+    items: list = []
+    if parsed.reasoning is not None:
+        items.append(ReasoningItem(random_id("rs_"), [ReasoningText(parsed.reasoning)], status=status))
+    if parsed.content is not None or not parsed.tool_calls:
+        items.append(OutputMessage(random_id("msg_"), status, [OutputText(parsed.content or "", logprobs=logprobs)]))
+    for call in parsed.tool_calls:
+        items.append(FunctionCallItem(random_id("fc_"), call.id, call.name, call.arguments, status=status))
+    return items
 
-        response = self._response(req, model, response_id, "in_progress", [])
-        yield event("response.created", response=response)
-        yield event("response.in_progress", response=response)
-        item_id = random_id("msg_")
-        where = dict(item_id=item_id, output_index=0, content_index=0)
-        yield event("response.output_item.added", output_index=0,
-                    item=OutputMessage(item_id, "in_progress", []))
-        yield event("response.content_part.added", part=OutputText(""), **where)
-        text, num_output = [], 0
-        logprobs, num_sent = [], 0  # logprobs of the text so far; those of held-back text go with it
-        try:
-            async for out in self.serving.stream(token_ids, params, response_id):
-                c = out.outputs[0]
-                num_output += len(c.token_ids)
-                logprobs += self._logprobs(c, params)
-                if c.text:
-                    text.append(c.text)
-                    yield event("response.output_text.delta", delta=c.text, logprobs=logprobs[num_sent:], **where)
-                    num_sent = len(logprobs)
-                if out.finished:
-                    full = "".join(text)
-                    yield event("response.output_text.done", text=full, logprobs=logprobs, **where)
-                    yield event("response.content_part.done", part=OutputText(full, logprobs=logprobs), **where)
-                    message = OutputMessage(item_id, _item_status(c.finish_reason),
-                                            [OutputText(full, logprobs=logprobs)])
-                    yield event("response.output_item.done", output_index=0, item=message)
-                    response = self._response(req, model, response_id, "completed", [message])
-                    self._finish(response, len(token_ids), num_output, out.num_cached_tokens, c.finish_reason)
-                    # As OpenAI: a response cut by max_output_tokens ends with response.incomplete.
-                    done = "response.completed" if response.status == "completed" else "response.incomplete"
-                    yield event(done, response=response)
-        except Exception as e:
-            error = engine_error(e)
-            yield event("error", code=error.code or error.type, message=error.message, param=error.param)
+
+def _string(item: dict, key: str, param: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"{param}.{key} must be a string", param=f"{param}.{key}")
+    return value
 
 
 def _item_status(finish_reason: str | None) -> str:

@@ -4,12 +4,14 @@ sampling parameters from request fields, and running requests (until done, or un
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import jinja2
+import jinja2.meta
 import msgspec
 from starlette.requests import Request as HTTPRequest
 
@@ -18,15 +20,22 @@ from surge.engine.core_proc import EngineDeadError
 from surge.engine.detokenizer import special_token_ids
 from surge.engine.output_processor import OutputKind
 from surge.entrypoints.openai.content import content_text
-from surge.entrypoints.openai.errors import APIError, bad_request
+from surge.entrypoints.openai.errors import APIError, bad_request, internal_error
+from surge.entrypoints.openai.limits import INT64_MAX, INT64_MIN, check_int_range
+from surge.entrypoints.openai.options import ServerOptions
 from surge.entrypoints.openai.protocol import ChatMessage, SamplingFields, TokenLogprob, TopLogprob
+from surge.entrypoints.openai.tools import template_tool_calls
 from surge.outputs import CompletionOutput, Logprob, RequestOutput
-from surge.sampling_params import SamplingParams
+from surge.sampling_params import SamplingParams, StructuredOutputsParams
 
-MAX_N = 128  # samples per request; more would be a denial of service more than a use case
 MAX_TEMPERATURE = 2.0  # OpenAI's range
-MAX_TOP_LOGPROBS = 20  # OpenAI's range for chat's and the Responses API's top_logprobs
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# Arguments of the renderer itself (HF's apply_chat_template) and the variables it sets: never a request's kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
+    "tools", "documents", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "padding",
+    "truncation", "max_length", "return_tensors", "processor_kwargs", "bos_token", "eos_token",
+    "raise_exception", "strftime_now"})
 _SAMPLING_PARAM = re.compile(r"^SamplingParams\.(\w+)=")
 
 
@@ -39,26 +48,59 @@ def sse(data: bytes, event: str | None = None) -> bytes:
     return head + b"data: " + data + b"\n\n"
 
 
-def engine_error(e: Exception) -> APIError:
-    """An engine-side failure as the HTTP error to answer with."""
+def engine_error(e: Exception, grammar_param: str | None = None) -> APIError:
+    """An engine-side failure as the HTTP error to answer with. grammar_param: where the request's output grammar
+    came from, named by a refusal that does not name its parameter (a schema the grammar library rejects)."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_dead")
-    if isinstance(e, RequestFailedError):
-        return APIError(400 if e.invalid_request else 500, str(e))
-    if isinstance(e, ValueError):
-        return bad_request(str(e))
-    return APIError(500, f"internal error: {type(e).__name__}: {e}")
+    if isinstance(e, RequestFailedError) and e.invalid_request or isinstance(e, ValueError):
+        return bad_request(str(e), param=grammar_param)
+    return internal_error(e, "the engine")
 
 
 class ClientDisconnected(Exception):
     pass
 
 
+class RequestStream:
+    """A started request's outputs. Closing it, or cancelling a wait on it, before the end aborts the request (its
+    KV blocks are freed), whether or not it was ever iterated."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, queue: asyncio.Queue) -> None:
+        self.engine, self.request_id, self.queue = engine, request_id, queue
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self.queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            await self.aclose()
+            raise item
+        if item.finished:
+            await self.aclose()
+        return item
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            await self.engine.abort(self.request_id)  # frees an unfinished request; forgets a finished one
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], options: ServerOptions | None = None) -> None:
         self.engine = engine
+        self.options = options or ServerOptions()
+        self.limits = self.options.limits
         self.model_names = served_model_names
         self.max_model_len = engine.config.scheduler_config.max_model_len
         self.tokenizer = engine.tokenizer
@@ -86,7 +128,7 @@ class OpenAIServing:
                               param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
             return room
-        if isinstance(max_tokens, bool) or max_tokens < (0 if allow_zero else 1):
+        if max_tokens < (0 if allow_zero else 1):
             raise bad_request(f"{max_tokens_param}={max_tokens} is invalid: must be an integer >= 1"
                               + (", or 0 for the prompt only" if allow_zero else ""), param=max_tokens_param)
         if max_tokens > room:
@@ -98,9 +140,24 @@ class OpenAIServing:
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int, n: int = 1,
                         stop: str | list[str] | None = None, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        if not 1 <= n <= MAX_N:
-            raise bad_request(f"n={n} is invalid: must be an integer in [1, {MAX_N}]", param="n")
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        limits = self.limits
+        limits.check_n(n)
+        limits.check_stop(stop)
+        # 64-bit integers in the engine: each child of n draws seed + i
+        check_int_range(req.seed, "seed", INT64_MIN, INT64_MAX - (n - 1))
+        check_int_range(req.top_k, "top_k", -1, INT64_MAX)
+        check_int_range(req.min_tokens, "min_tokens", 0, INT64_MAX)
+        if req.stop_token_ids is not None:
+            if len(req.stop_token_ids) > limits.max_stop_token_ids:
+                raise bad_request(f"stop_token_ids has {len(req.stop_token_ids)} ids; at most "
+                                  f"{limits.max_stop_token_ids} are allowed (--max-stop-token-ids)",
+                                  param="stop_token_ids")
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None:
+                limits.check_logprobs(value, name)
         if req.temperature is not None and not 0.0 <= req.temperature <= MAX_TEMPERATURE:
             raise bad_request(f"temperature={req.temperature} is invalid: must be in [0, {MAX_TEMPERATURE}]",
                               param="temperature")
@@ -114,6 +171,7 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                structured_outputs=structured_outputs,
                 kv_transfer_params=req.kv_transfer_params,
                 **{k: v for k, v in fields.items() if v is not None})
         except ValueError as e:
@@ -124,8 +182,19 @@ class OpenAIServing:
 
     # ---- prompts ----
     def chat_messages(self, messages: list[ChatMessage], param: str = "messages") -> list[dict]:
-        """Chat-shaped messages as the chat template takes them: {"role", "content": text}."""
-        return [self.message(m.role, m.content, f"{param}[{i}]") for i, m in enumerate(messages)]
+        """Chat-shaped messages as the chat template takes them: {"role", "content": text, tool calls}."""
+        out = []
+        for i, m in enumerate(messages):
+            where = f"{param}[{i}]"
+            message = self.message(m.role, m.content, where)
+            if m.name is not None:
+                message["name"] = m.name
+            if m.tool_calls is not None:
+                message["tool_calls"] = template_tool_calls(m.tool_calls, f"{where}.tool_calls")
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
 
     @staticmethod
     def message(role: str, content, param: str) -> dict:
@@ -136,31 +205,56 @@ class OpenAIServing:
                 "content": content_text(content, f"{param}.content")}
 
     def render(self, conversation: list[dict], add_generation_prompt: bool = True,
-               template_kwargs: dict | None = None) -> list[int]:
+               template_kwargs: dict | None = None, chat_template: str | None = None,
+               tools: list[dict] | None = None) -> list[int]:
         if not conversation:
             raise bad_request("the conversation is empty: give at least one message", param="messages")
+        if chat_template is not None and not self.options.trust_request_chat_template:
+            raise bad_request("chat_template: this server runs only its model's chat template; start it with "
+                              "--trust-request-chat-template to accept templates from requests",
+                              param="chat_template")
+        kwargs = self._template_kwargs(template_kwargs, chat_template)
+        if tools is not None:
+            kwargs["tools"] = tools
         try:
-            return self.engine.input_processor.render_chat(conversation, add_generation_prompt,
-                                                           **(template_kwargs or {}))
+            return self.engine.input_processor.render_chat(conversation, add_generation_prompt, chat_template,
+                                                           **kwargs)
         except jinja2.TemplateError as e:  # e.g. a template that insists on alternating roles
             raise bad_request(f"the chat template refused this conversation: {e}") from None
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+        except Exception as e:  # a template is a program: whatever it raises on this request is the request's
+            raise bad_request(f"the chat template failed on this conversation: {type(e).__name__}: "
+                              f"{str(e)[:300]}") from None
+
+    def _template_kwargs(self, kwargs: dict | None, chat_template: str | None) -> dict:
+        """chat_template_kwargs without the renderer's own arguments, and only those the template reads."""
+        if not kwargs:
+            return {}
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them",
+                              param="chat_template_kwargs")
+        template = chat_template if chat_template is not None else self.tokenizer.chat_template
+        read = _template_variables(template) if isinstance(template, str) else frozenset()
+        return {k: v for k, v in kwargs.items() if k in read}
 
     def check_token_ids(self, token_ids: list, param: str) -> list[int]:
+        """Token ids of this model's vocabulary (a 400 naming param otherwise)."""
         vocab = self.engine.config.model_config.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
             raise bad_request(f"{param} must be token ids in [0, {vocab})", param=param)
         return token_ids
 
     # ---- running ----
-    def stream(self, token_ids: list[int], params: SamplingParams, request_id: str,
-               prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def start(self, token_ids: list[int], params: SamplingParams, request_id: str,
+                    prompt_text: str | None = None) -> RequestStream:
+        """Adds the request now, so that one the engine refuses is an HTTP error before a stream begins; then its
+        outputs as they come."""
         prompt = {"prompt_token_ids": token_ids, "prompt": prompt_text}
-        return self.engine.generate(prompt, params, request_id, OutputKind.DELTA)
+        queue = await self.engine.add_request(request_id, prompt, params, OutputKind.DELTA)
+        return RequestStream(self.engine, request_id, queue)
 
     async def run_to_end(self, http: HTTPRequest, prompts: list[tuple[list[int], SamplingParams]],
-                         request_id: str) -> list[RequestOutput]:
+                         request_id: str, grammar_param: str | None = None) -> list[RequestOutput]:
         """Final outputs of one request per (prompt, params); all are aborted when the client disconnects."""
         async def one(i: int, token_ids: list[int], params: SamplingParams) -> RequestOutput:
             final = None
@@ -190,7 +284,16 @@ class OpenAIServing:
             return work.result()
         while isinstance(error, BaseExceptionGroup):
             error = error.exceptions[0]
-        raise engine_error(error)
+        raise engine_error(error, grammar_param)
+
+
+@functools.lru_cache(maxsize=16)
+def _template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads (those it does not set itself)."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+    except jinja2.TemplateError:
+        return frozenset()
 
 
 async def _wait_for_disconnect(http: HTTPRequest) -> None:
