@@ -162,12 +162,12 @@ class EngineCore:
         return outputs
 
     def _propose(self, requests) -> None:
-        """Drafts for the next step of requests whose verification is exact here: greedy, no penalties, logprobs or
-        min_tokens still holding back stops; none for a request with a token still in flight."""
+        """Drafts for the next step of every request the verification covers (greedy or sampled, penalties,
+        min_tokens, logprobs: exact per position); none under a grammar (its mask is per position) or with a
+        token still in flight."""
         for req in requests:
             p = req.params
-            if (req.is_finished or req.num_pending_tokens or not p.greedy or p.uses_penalties
-                    or p.logprobs is not None or req.num_output_tokens < p.min_tokens):
+            if req.is_finished or req.num_pending_tokens or p.structured_outputs is not None:
                 continue
             left = None if p.max_tokens is None else p.max_tokens - req.num_output_tokens - 1
             req.spec_token_ids = self.proposer.propose(req.token_ids, left)

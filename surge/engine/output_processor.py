@@ -130,16 +130,19 @@ class OutputProcessor:
                 parent.kv_transfer_params = o.kv_transfer_params
             if o.prompt_logprobs is not None and parent.prompt_logprobs is not None and sample.index == 0:
                 self._add_prompt_logprobs(parent, o.prompt_logprobs)
-            if o.new_token_ids:
-                sample.token_ids.extend(o.new_token_ids)
+            # Several tokens (accepted drafts) go in one at a time: a stop string one of them completes ends the
+            # output there, exactly as if they had come one per step.
+            for j, token in enumerate(o.new_token_ids):
+                sample.token_ids.append(token)
                 if o.logprobs is not None and sample.logprobs is not None:
-                    for ids, lps, rank in o.logprobs:
-                        sample.logprobs.append(self._logprob_dict(ids, lps, rank))
-                        sample.cumulative_logprob += lps[0]
-                stop_str = sample.detokenizer.update(o.new_token_ids)
-                if stop_str is not None and o.finish_reason is None:
+                    ids, lps, rank = o.logprobs[j]
+                    sample.logprobs.append(self._logprob_dict(ids, lps, rank))
+                    sample.cumulative_logprob += lps[0]
+                stop_str = sample.detokenizer.update([token] if len(o.new_token_ids) > 1 else o.new_token_ids)
+                if stop_str is not None and (o.finish_reason is None or j < len(o.new_token_ids) - 1):
                     sample.finish_reason, sample.stop_reason = "stop", stop_str
                     to_stop.append(o.request_id)
+                    break
             if o.finish_reason is not None and sample.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = o.finish_reason, o.stop_reason
             touched[parent_id] = parent

@@ -28,6 +28,7 @@ from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logpr
 from surge.model.loader.base import load_model
 from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from surge.worker.request_state import CachedRequestState, RequestStates
+from surge.worker.spec_verify import VerifiedDrafts, verify
 from surge.worker.step_inputs import StepInputs
 import surge.attention.torch_backend  # noqa: F401,I001  (registers the backends)
 import surge.attention.triton_backend  # noqa: F401,I001
@@ -202,17 +203,15 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest], states: list[CachedRequestState]) -> StepBatch:
         """Token ids, positions, slot mappings and block tables into the persistent buffers; metadata per group."""
-        for s, state in zip(scheduled, states):
-            if s.spec_token_ids and not state.params.greedy:
-                raise NotImplementedError(f"request {s.request_id!r}: draft tokens are verified for greedy requests "
-                                          "only (rejection sampling for the others is not here yet)")
         num_tokens, num_reqs, query_start_loc, seq_lens = self.inputs.fill(scheduled, states, self._last_sampled,
                                                                            self._last_rows)
         max_query_len = max(s.num_new_tokens for s in scheduled)
         meta = self.inputs.metadata(self.backend, num_tokens, num_reqs, query_start_loc, seq_lens, max_query_len,
                                     max(seq_lens))
-        sample_idx = [query_start_loc[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples]
-        sample_states = [state for s, state in zip(scheduled, states) if s.samples]
+        # Requests with drafts sample in the verification (spec_verify.py), the others here.
+        plain = [s.samples and not s.spec_token_ids for s in scheduled]
+        sample_idx = [query_start_loc[i + 1] - 1 for i, yes in enumerate(plain) if yes]
+        sample_states = [state for yes, state in zip(plain, states) if yes]
         return StepBatch(scheduled, states, num_tokens, num_reqs, meta, sample_idx, sample_states)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
@@ -244,6 +243,7 @@ class ModelRunner:
     def sample(self, batch: StepBatch, hidden: torch.Tensor, pending: PendingOutput) -> None:
         """One token per sampling request: logits of their last positions, the sampler on rank 0, then the tokens
         broadcast to every rank (on the device), where the next step's inputs take them from."""
+        self._verify_drafts(batch, hidden, pending)
         if not batch.sample_idx:
             return
         idx = batch.sample_idx
@@ -253,7 +253,8 @@ class ModelRunner:
         sample_ids = [req.request_id for req in batch.sample_states]
         if logits is not None:
             sampler_out = self.sampler(logits, [self._sampling_row(s, req) for s, req in
-                                                zip(batch.scheduled, batch.states) if s.samples])
+                                                zip(batch.scheduled, batch.states)
+                                                if s.samples and not s.spec_token_ids])
             sampled = sampler_out.sampled_token_ids
             pending.sample_ids = sample_ids
             pending.num_logprobs = [req.params.logprobs for req in batch.sample_states]
@@ -265,24 +266,30 @@ class ModelRunner:
             sampled = torch.empty(len(idx), dtype=torch.int64, device=self.device)
         self._last_sampled = self.tp.broadcast(sampled)
         self._last_rows = {rid: j for j, rid in enumerate(sample_ids)}
-        self._verify_drafts(batch, hidden, pending)
 
     def _verify_drafts(self, batch: StepBatch, hidden: torch.Tensor, pending: PendingOutput) -> None:
-        """Greedy verification: the target's argmax at the position of the last known token and of each draft but
-        the last (the last position's token, already sampled, is the bonus). The host accepts the drafts up to the
-        first that differs and takes the target's token there: exactly what decoding one by one would give."""
+        """Requests with drafts: the logits at the position of the last known token and of each draft, verified
+        exactly (spec_verify.py: greedy or sampled, penalties and min_tokens per position), on rank 0. Their next
+        step waits for the host (the scheduler holds them while the verdict is in flight), so no rank needs these
+        tokens on the device."""
         qsl = batch.meta[0].query_start_loc
-        rows, idx = [], []
-        for i, s in enumerate(batch.scheduled):
+        requests, idx = [], []
+        for i, (s, state) in enumerate(zip(batch.scheduled, batch.states)):
             if s.spec_token_ids:
+                assert s.num_computed_tokens + 1 == state.num_tokens, (s.request_id, s.num_computed_tokens)
                 k = len(s.spec_token_ids)
-                rows.append((s.request_id, s.spec_token_ids, len(idx)))
-                idx.extend(range(qsl[i + 1] - 1 - k, qsl[i + 1] - 1))
-        if not rows:
+                requests.append((state, s.spec_token_ids))
+                idx.extend(range(qsl[i + 1] - 1 - k, qsl[i + 1]))
+        if not requests:
             return
         logits = self.model.compute_logits(hidden[device_tensor(idx, self.device, torch.long)])
-        if logits is not None:
-            pending.verify = (rows, _to_host(logits.argmax(dim=-1)))
+        if logits is None:
+            return
+        out = verify(logits, requests)
+        pending.verify = VerifiedDrafts(
+            [state.request_id for state, _ in requests], [len(d) for _, d in requests],
+            [state.params.logprobs for state, _ in requests], _to_host(out.token_ids), _to_host(out.num_accepted),
+            None if out.logprobs is None else tuple(_to_host(t) for t in out.logprobs))
 
     def _sampling_row(self, s: ScheduledRequest, req: CachedRequestState) -> SamplingRow:
         p = req.params
@@ -315,8 +322,7 @@ class PendingOutput:
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     prompt_logprobs: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     kv_output: KVConnectorOutput | None = None
-    # Greedy draft verification: ((request id, drafts, offset into the argmax tensor) per request, target argmax).
-    verify: tuple[list[tuple[str, list[int], int]], torch.Tensor] | None = None
+    verify: VerifiedDrafts | None = None
 
     def ready(self) -> bool:
         """True once result() would not wait."""
@@ -334,17 +340,7 @@ class PendingOutput:
                 if num is not None:
                     result.logprobs[rid] = [(ids[j][:1 + num], lps[j][:1 + num], ranks[j])]
         if self.verify is not None:
-            rows, argmax = self.verify
-            targets = argmax.tolist()
-            for rid, drafts, offset in rows:
-                tokens = []
-                for j, draft in enumerate(drafts):
-                    tokens.append(targets[offset + j])
-                    if draft != targets[offset + j]:
-                        break
-                else:
-                    tokens += result.sampled[rid]  # every draft accepted: the last position's token is the bonus
-                result.sampled[rid] = tokens
+            self.verify.into(result)
         for rid, first, ids, lps, ranks in self.prompt_logprobs:
             result.prompt_logprobs[rid] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
         return result

@@ -207,17 +207,17 @@ def test_greedy_batch_on_bf16_logits_is_argmax_without_a_float_copy():
     assert out.tolist() == logits.float().argmax(dim=-1).tolist() and out[0] == 5
 
 
-def test_exponential_noise_keeps_seeded_rows_on_their_generators():
-    from surge.model.layers.sampler import _exponential_noise
+def testexponential_noise_keeps_seeded_rows_on_their_generators():
+    from surge.model.layers.sampler import exponential_noise
 
     rows = [row(seed=7), row(), row(temperature=0.0), row(seed=8)]
     torch.manual_seed(0)
-    noise = _exponential_noise(rows, V, torch.device("cpu"), clamp=False)
+    noise = exponential_noise(rows, V, torch.device("cpu"), clamp=False)
     assert noise[0].tolist() == torch.empty(V).exponential_(generator=torch.Generator().manual_seed(7)).tolist()
     assert noise[3].tolist() == torch.empty(V).exponential_(generator=torch.Generator().manual_seed(8)).tolist()
     assert noise[2].tolist() == [1.0] * V and (noise[1] > 0).all()
     tiny = torch.finfo(torch.float32).tiny
-    assert (_exponential_noise([row()], V, torch.device("cpu")) >= tiny).all()
+    assert (exponential_noise([row()], V, torch.device("cpu")) >= tiny).all()
 
 
 @pytest.mark.parametrize("temperature", [1e-38, 1e-30, 1e-6])

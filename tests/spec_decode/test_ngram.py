@@ -76,16 +76,18 @@ def test_greedy_identical_with_and_without_speculation(model_dir, k, engine):
 @pytest.mark.parametrize("extra", [dict(async_scheduling=True), dict(tensor_parallel_size=2)], ids=["async", "tp2"])
 def test_greedy_identical_under_async_scheduling_and_tensor_parallelism(tmp_path, extra):
     """Drafts make the engine step synchronously while they exist; requests without them still overlap. Under TP the
-    ranks run the verification step like any other."""
+    ranks run the verification step like any other; rank 0 verifies. A seeded sampled request beside the greedy one
+    repeats itself run after run (its draws come from its own generator)."""
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True)]  # no drafts: it samples
+              SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True)]
     base = dict(block_size=4, max_model_len=128, device="cpu", kv_cache_memory=1 << 22)
     prompts = _prompts()[:2]
     ref = LLM(model_dir, **base).generate(prompts, params, use_tqdm=False)
     llm = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **base, **extra)
     try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = [llm.generate(prompts, params, use_tqdm=False) for _ in range(2)]
     finally:
         llm.engine.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert outs[0][0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert outs[0][1].outputs[0].token_ids == outs[1][1].outputs[0].token_ids

@@ -65,17 +65,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         max_n = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
-        vocab_size = logits.shape[1]
-        masked = [(i, t) for i, r in enumerate(rows) if r.num_generated < r.params.min_tokens
-                  for t in r.params.all_stop_token_ids if t < vocab_size]
-        work = logits  # what is sampled from; the caller's tensor is never written
-        if masked or _has_penalties(rows):
-            work = logits.float()
-            work = work.clone() if work is logits else work
-            if masked:
-                row_idx, token_idx = device_tensor(masked, logits.device).T
-                work[row_idx, token_idx] = float("-inf")
-            _apply_penalties(work, rows)
+        work = processed_logits(logits, rows)  # what is sampled from; the caller's tensor is never written
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
             sampled = work.argmax(dim=-1)  # ties go to the lowest id
@@ -118,7 +108,7 @@ class Sampler:
         per_row = device_tensor([[p.temperature for p in params], [p.top_p for p in params],
                                  [float(p.top_k) if p.top_k < vocab_size else 0.0 for p in params]],
                                 logits.device, torch.float32)
-        noise = _exponential_noise(rows, vocab_size, logits.device, clamp=False)  # the kernel clamps q itself
+        noise = exponential_noise(rows, vocab_size, logits.device, clamp=False)  # the kernel clamps q itself
         # Launches are chosen for the capacity warm_up was given; without it (tests), for the next power of two.
         max_batch = self._max_batch if n <= self._max_batch else 1 << (n - 1).bit_length()
         return self._kernel_on(logits.device)(
@@ -146,6 +136,23 @@ def device_tensor(values: list, device: torch.device, dtype: torch.dtype | None 
     work: with async scheduling a step's work is still queued when the next one is prepared."""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The logits each row samples from before temperature: stop tokens masked while min_tokens holds, then the
+    penalties (a float32 copy when either applies; else the caller's tensor itself, never written)."""
+    vocab_size = logits.shape[1]
+    masked = [(i, t) for i, r in enumerate(rows) if r.num_generated < r.params.min_tokens
+              for t in r.params.all_stop_token_ids if t < vocab_size]
+    if not masked and not _has_penalties(rows):
+        return logits
+    work = logits.float()
+    work = work.clone() if work is logits else work
+    if masked:
+        row_idx, token_idx = device_tensor(masked, logits.device).T
+        work[row_idx, token_idx] = float("-inf")
+    _apply_penalties(work, rows)
+    return work
 
 
 def _has_penalties(rows: list[SamplingRow]) -> bool:
@@ -190,6 +197,13 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Random draw for every row (greedy rows get a meaningless token that the caller discards)."""
+    probs = sampling_probs(logits, rows)
+    return probs.div_(exponential_noise(rows, logits.shape[1], logits.device)).argmax(dim=-1)
+
+
+def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution each row samples from: temperature, top-k, top-p, min-p, softmax (float32 [n, V]; greedy
+    rows get temperature 1, a distribution their caller does not use)."""
     params = [r.params for r in rows]
     vocab_size = logits.shape[1]
     device = logits.device
@@ -204,8 +218,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
         threshold = device_tensor(min_p, device)[:, None] * probs.amax(dim=-1, keepdim=True)
         logits.masked_fill_(probs < threshold, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return probs.div_(_exponential_noise(rows, vocab_size, device)).argmax(dim=-1)
+    return logits.softmax(dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -221,7 +234,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
-def _exponential_noise(rows: list[SamplingRow], vocab_size: int, device: torch.device,
+def exponential_noise(rows: list[SamplingRow], vocab_size: int, device: torch.device,
                        clamp: bool = True) -> torch.Tensor:
     """q ~ Exp(1) per row: seeded rows draw only from their own generator, so the batch cannot change their tokens."""
     shared = [i for i, r in enumerate(rows) if r.generator is None and not r.params.greedy]

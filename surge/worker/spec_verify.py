@@ -1,0 +1,108 @@
+"""Verification of draft tokens on the rank that samples: each request's k + 1 positions (its last known token and
+each draft) become sampling rows as if decoded one by one, then surge/spec_decode/rejection.py decides.
+
+Row j of a request sees the output so far plus drafts [0, j): its penalties count those tokens and its min_tokens
+mask holds while fewer than min_tokens were generated before it, so p is exactly the distribution the request
+would have sampled from at that position (after temperature, top-k, top-p, min-p). Greedy rows are a point mass on
+the argmax; seeded rows draw their uniforms and noise from the request's own generator, in a fixed order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from surge.model.layers.sampler import (SamplingRow, compute_token_logprobs, device_tensor, exponential_noise,
+                                        processed_logits, sampling_probs)
+from surge.spec_decode.rejection import num_accepted, race, rejection_sample
+from surge.worker.request_state import CachedRequestState
+
+
+@dataclass
+class VerifyResult:
+    """On the device: the token at every position (drafts where accepted, then the residual or bonus draw), the
+    leading accepted drafts per request, and, when some request asked, logprobs of every position's token."""
+    token_ids: torch.Tensor  # [sum(k_i + 1)]
+    num_accepted: torch.Tensor  # [n]
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # ids, logprobs, ranks per position
+
+
+def verify_rows(state: CachedRequestState, drafts: list[int]) -> list[SamplingRow]:
+    """The k + 1 sampling rows of one request whose drafts follow its whole known sequence."""
+    p = state.params
+    base = state.num_output_tokens
+    outputs = state.output_token_ids if p.uses_penalties else []
+    rows = []
+    for j in range(len(drafts) + 1):
+        history = outputs + drafts[:j] if p.uses_penalties else []
+        rows.append(SamplingRow(p, state.prompt_token_ids, history, state.generator, base + j))
+    return rows
+
+
+def verify(logits: torch.Tensor, requests: list[tuple[CachedRequestState, list[int]]]) -> VerifyResult:
+    """logits [sum(k_i + 1), V]: each request's k_i + 1 positions in order, requests in the given order."""
+    device = logits.device
+    rows = [row for state, drafts in requests for row in verify_rows(state, drafts)]
+    work = processed_logits(logits, rows).float()
+    greedy = device_tensor([r.params.greedy for r in rows], device, torch.bool)
+    probs = sampling_probs(work, rows)
+    if any(r.params.greedy for r in rows):
+        one_hot = torch.zeros_like(probs).scatter_(1, work.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    uniform = _uniforms(requests, device)  # drawn before the noise: a fixed order per generator
+    noise = exponential_noise(rows, logits.shape[1], device)  # ones for greedy rows
+    num_drafts = [len(drafts) for _, drafts in requests]
+    bonus_idx, draft_idx, o = [], [], 0
+    for k in num_drafts:
+        draft_idx.extend(range(o, o + k))
+        bonus_idx.append(o + k)
+        o += k + 1
+    draft_t = device_tensor(draft_idx, device, torch.long)
+    bonus_t = device_tensor(bonus_idx, device, torch.long)
+    draft_ids = device_tensor([t for _, drafts in requests for t in drafts], device, torch.long)
+    accepted, at_drafts = rejection_sample(probs[draft_t], draft_ids, uniform, noise[draft_t])
+    token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
+    token_ids[draft_t] = at_drafts
+    token_ids[bonus_t] = race(probs[bonus_t], noise[bonus_t])
+    result = VerifyResult(token_ids, num_accepted(accepted, device_tensor(num_drafts, device, torch.long)))
+    max_n = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+    if max_n is not None:  # from the raw logits, as the sampler's
+        result.logprobs = compute_token_logprobs(logits, token_ids, max_n)
+    return result
+
+
+def _uniforms(requests: list[tuple[CachedRequestState, list[int]]], device: torch.device) -> torch.Tensor:
+    """u in [0, 1) per draft: a seeded request's from its generator; greedy ones 0.5 (their p(x) is 0 or 1)."""
+    parts = []
+    for state, drafts in requests:
+        k = len(drafts)
+        if state.params.greedy:
+            parts.append(torch.full((k,), 0.5, device=device))
+        else:
+            parts.append(torch.rand(k, device=device, generator=state.generator))
+    return torch.cat(parts)
+
+
+@dataclass
+class VerifiedDrafts:
+    """A step's verdicts on their way to the host: per request its id, k, logprobs wanted; the tensors of
+    VerifyResult (host copies, read once the step's event passed)."""
+    request_ids: list[str]
+    num_drafts: list[int]
+    num_logprobs: list[int | None]
+    token_ids: torch.Tensor
+    num_accepted: torch.Tensor
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+    def into(self, result) -> None:
+        """Each request's 1 + accepted tokens (and their logprobs) into a ModelRunnerOutput."""
+        tokens, accepted = self.token_ids.tolist(), self.num_accepted.tolist()
+        lp = None if self.logprobs is None else [t.tolist() for t in self.logprobs]
+        o = 0
+        for rid, k, num_lp, a in zip(self.request_ids, self.num_drafts, self.num_logprobs, accepted):
+            result.sampled[rid] = tokens[o:o + a + 1]
+            if num_lp is not None:
+                ids, lps, ranks = lp
+                result.logprobs[rid] = [(ids[j][:1 + num_lp], lps[j][:1 + num_lp], ranks[j])
+                                        for j in range(o, o + a + 1)]
+            o += k + 1
