@@ -71,11 +71,20 @@ class RequestStream:
     def __init__(self, engine: AsyncLLM, request_id: str, queue: asyncio.Queue) -> None:
         self.engine, self.request_id, self.queue = engine, request_id, queue
         self.finished = False
+        self.first: RequestOutput | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
 
+    async def wait_first(self) -> None:
+        """Waits for the first output, so that a refusal the engine core sends back (a grammar it cannot compile)
+        raises here, before a response starts."""
+        self.first = await self.__anext__()
+
     async def __anext__(self) -> RequestOutput:
+        if self.first is not None:
+            item, self.first = self.first, None
+            return item
         if self.finished:
             raise StopAsyncIteration
         try:
@@ -248,10 +257,14 @@ class OpenAIServing:
     async def start(self, token_ids: list[int], params: SamplingParams, request_id: str,
                     prompt_text: str | None = None) -> RequestStream:
         """Adds the request now, so that one the engine refuses is an HTTP error before a stream begins; then its
-        outputs as they come."""
+        outputs as they come. A request with a grammar waits for its first output: the core compiles the grammar
+        and may refuse it."""
         prompt = {"prompt_token_ids": token_ids, "prompt": prompt_text}
         queue = await self.engine.add_request(request_id, prompt, params, OutputKind.DELTA)
-        return RequestStream(self.engine, request_id, queue)
+        stream = RequestStream(self.engine, request_id, queue)
+        if params.structured_outputs is not None:
+            await stream.wait_first()
+        return stream
 
     async def run_to_end(self, http: HTTPRequest, prompts: list[tuple[list[int], SamplingParams]],
                          request_id: str, grammar_param: str | None = None) -> list[RequestOutput]:
