@@ -38,12 +38,22 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     spec_token_ids: list[int] = []
 
 
+class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
+    """The tokens each constrained request may sample this step (structured output): row i, num_words int32 words
+    (little-endian), allows token t for request_ids[i] when bit t % 32 of word t // 32 is set; tokens past the row
+    are not allowed. Requests not listed sample from unmasked logits."""
+    request_ids: list[str]
+    num_words: int
+    bitmask: bytes
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     scheduled: list[ScheduledRequest] = []
     new_requests: list[NewRequest] = []  # first scheduled this step; their entries in `scheduled` follow
     preempted_ids: list[str] = []
     # Requests finished since the last non-empty step: the runner drops their state.
     finished_ids: list[str] = []
+    grammar_bitmask: GrammarBitmask | None = None  # structured output: applied to the logits before sampling
     kv_connector_metadata: bytes = b""  # the KV connector's instructions to its worker half (its own encoding)
     shutdown: bool = False  # executors of worker processes: the ranks stop
 

@@ -1,0 +1,34 @@
+"""Structured output's mask on the logits: rows of packed int32 words, bit t % 32 of word t // 32 allowing token t.
+Disallowed tokens become -inf in place, before sampling, so greedy, top-k/top-p and logprobs all see the mask.
+
+A few elementwise torch ops: at batch 64 and a 152k vocabulary they touch ~40 MB, microseconds on a GPU, so a
+dedicated kernel would buy nothing measurable."""
+from __future__ import annotations
+
+import torch
+
+_BITS = {}  # device -> arange(32) as int32
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[n, W] int32 words -> [n, vocab_size] bool, True where allowed (tokens past 32 * W are not)."""
+    bits = _BITS.get(bitmask.device)
+    if bits is None:
+        bits = _BITS[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    n, words = bitmask.shape
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().view(n, words * 32)
+    if words * 32 >= vocab_size:
+        return allowed[:, :vocab_size]
+    return torch.nn.functional.pad(allowed, (0, vocab_size - words * 32), value=False)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """In place: logits[rows[i], t] = -inf where bitmask[i] does not allow t; rows None: row i of logits is row i of
+    the mask. logits [N, V] of any float dtype; bitmask [n, W] int32 on logits' device; rows [n] int64."""
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2:
+        raise ValueError(f"bitmask must be a 2-D int32 tensor, got {bitmask.dtype} of shape {tuple(bitmask.shape)}")
+    disallowed = ~unpack_bitmask(bitmask, logits.shape[1])
+    if rows is None:
+        logits.masked_fill_(disallowed, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill_(disallowed, float("-inf"))

@@ -1,0 +1,132 @@
+"""StructuredOutputManager: the engine core's grammars, one llguidance matcher per constrained request (per sample:
+n > 1 reaches the core as n requests), advanced with every token a step returns, and the step's bitmask.
+
+Masks are filled by llguidance's thread pool, in Rust with the GIL released, into one reused int32 buffer. The
+tokenizer bridge is built on the first constrained request, so an engine that never sees one never pays for it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from surge.core.scheduler_output import GrammarBitmask, SchedulerOutput
+from surge.logger import init_logger
+from surge.sampling_params import SamplingParams
+from surge.structured_output.grammar import check_grammar, grammar_of
+from surge.structured_output.reasoning import ReasoningMarkers
+from surge.structured_output.reasoning_gate import ReasoningGate
+from surge.structured_output.tokenizer import ll_tokenizer
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class RequestGrammar:
+    matcher: llguidance.LLMatcher
+    kind: str
+    gate: ReasoningGate | None  # None: constrained from the first output token
+    warned: bool = False  # a token the grammar refused was reported
+
+    @property
+    def active(self) -> bool:
+        """True when this request's next token is constrained (its reasoning, if any, has ended)."""
+        return self.gate is None or self.gate.open
+
+
+class StructuredOutputManager:
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, eos_token_ids: tuple[int, ...],
+                 reasoning: ReasoningMarkers | None = None, num_threads: int | None = None) -> None:
+        """load_tokenizer: returns the HF tokenizer (called once, on the first constrained request)."""
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.reasoning = reasoning
+        self.num_threads = num_threads
+        self._hf_tokenizer = None
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self.grammars: dict[str, RequestGrammar] = {}
+        self.num_words = (vocab_size + 31) // 32
+        self._buffer = np.zeros((0, self.num_words), dtype=np.int32)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            self._hf_tokenizer = self._load_tokenizer()
+            self._tokenizer = ll_tokenizer(self._hf_tokenizer, self.vocab_size, self.eos_token_ids)
+            self.num_words = (self._tokenizer.vocab_size + 31) // 32
+            self._executor = llguidance.LLExecutor(self.num_threads)
+        return self._tokenizer
+
+    # ---- requests ----
+    def compile(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestGrammar | None:
+        """The request's grammar, compiled and checked: ValueError (naming the field and llguidance's reason) when
+        it is rejected, before anything is scheduled. None for an unconstrained request."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        grammar = grammar_of(so)
+        check_grammar(grammar, self.tokenizer, so.kind)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():  # validation passed, so this is a limit reached while starting it
+            raise ValueError(f"structured_outputs.{so.kind} is invalid: {matcher.get_error().strip()}")
+        gate = None
+        if self.reasoning is not None:
+            gate = ReasoningGate.for_request(self.reasoning, self._hf_tokenizer, prompt_token_ids)
+        return RequestGrammar(matcher, so.kind, gate)
+
+    def add(self, request_id: str, grammar: RequestGrammar) -> None:
+        self.grammars[request_id] = grammar
+
+    def remove(self, request_ids) -> None:
+        for rid in request_ids:
+            self.grammars.pop(rid, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.grammars
+
+    # ---- steps ----
+    def advance(self, sampled: dict[str, list[int]]) -> None:
+        """Feed each constrained request the tokens a step returned for it (1 + accepted drafts), in order."""
+        if not self.grammars:
+            return
+        for rid, tokens in sampled.items():
+            g = self.grammars.get(rid)
+            if g is None or g.matcher.is_stopped():
+                continue  # unconstrained, or its grammar is complete: the EOS that ends the request follows
+            if g.gate is not None:
+                tokens = g.gate.feed(tokens)
+            if tokens and not g.matcher.consume_tokens(tokens) and not g.warned:
+                # Only reachable when a token was sampled without this request's mask (never on the engine's
+                # own path); the matcher stays in its error state, whose mask allows EOS alone, so the request ends.
+                g.warned = True
+                logger.warning("request %s: its grammar (%s) refused token(s) %s; it is ended with EOS: %s", rid,
+                               g.kind, tokens, g.matcher.get_error().strip().splitlines()[0])
+
+    def waits_for(self, in_flight: SchedulerOutput, out: SchedulerOutput) -> bool:
+        """True when a constrained request samples in `out` and its previous token comes from `in_flight` (async
+        scheduling): its mask depends on that token, so `out` must not launch before it is on the host."""
+        if not self.grammars:
+            return False
+        sampling = {s.request_id for s in in_flight.scheduled if s.samples and s.request_id in self.grammars}
+        return bool(sampling) and any(s.samples and s.request_id in sampling for s in out.scheduled)
+
+    def bitmask(self, out: SchedulerOutput) -> GrammarBitmask | None:
+        """The masks of the step's sampling requests whose grammar is active, filled in parallel (every token they
+        returned must have been advanced first)."""
+        if not self.grammars:
+            return None
+        rows = [(g.matcher, s.request_id) for s in out.scheduled
+                if s.samples and (g := self.grammars.get(s.request_id)) is not None and g.active]
+        if not rows:
+            return None
+        if self._buffer.shape[0] < len(rows) or self._buffer.shape[1] != self.num_words:
+            self._buffer = np.zeros((max(len(rows), 2 * self._buffer.shape[0]), self.num_words), dtype=np.int32)
+        buffer = self._buffer[:len(rows)]
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, (m, _) in enumerate(rows)],
+                                                     buffer)
+        return GrammarBitmask([rid for _, rid in rows], self.num_words, buffer.astype("<i4", copy=False).tobytes())

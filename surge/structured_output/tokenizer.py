@@ -1,0 +1,38 @@
+"""The tokenizer bridge: the HF tokenizer the engine serves with, as llguidance's LLTokenizer (built once per engine,
+~0.3-1 s: llguidance walks every token's bytes into its trie)."""
+from __future__ import annotations
+
+import llguidance
+import llguidance.hf
+
+
+class _DecodedTokens:
+    """The fallback for tokenizers llguidance's Rust side cannot read (a decoder it does not know): each token's bytes
+    are its own decoding, which holds for tokenizers whose tokens decode independently (word- and character-level)."""
+
+    def __init__(self, hf_tokenizer, eos: list[int]) -> None:
+        self._hf = hf_tokenizer
+        self.eos_token_id = eos[0]
+        self.bos_token_id = hf_tokenizer.bos_token_id
+        self.special_token_ids = list(hf_tokenizer.all_special_ids)
+        self.tokens = [hf_tokenizer.decode([i]).encode() for i in range(len(hf_tokenizer))]
+
+    def __call__(self, text: str) -> list[int]:
+        return self._hf.encode(text, add_special_tokens=False)
+
+
+def ll_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+    """hf_tokenizer over the model's vocabulary: masks have one bit per logit (ids past the tokenizer's own tokens, a
+    model's padding rows, are never allowed), and a grammar that has ended allows exactly the model's EOS ids."""
+    eos = list(eos_token_ids) or ([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else [])
+    if not eos:
+        raise ValueError("structured output needs an EOS token to end a finished grammar with, and neither the "
+                         "model's generation config nor its tokenizer names one")
+    n_vocab = max(vocab_size, len(hf_tokenizer))
+    try:
+        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
+    except ValueError as e:
+        if "decoder" not in str(e) and "pre_tokenizer" not in str(e):
+            raise ValueError(f"structured output cannot use the tokenizer {type(hf_tokenizer).__name__}: {e}") from None
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_DecodedTokens(hf_tokenizer, eos)), n_vocab=n_vocab,
+                                  eos_token=eos)
