@@ -1,7 +1,13 @@
-"""CUDA graphs for decode-only steps: one graph per capture size up to max_num_seqs, sharing one memory pool.
+"""CUDA graphs: one per decode batch size up to max_num_seqs, and one per token count for small mixed steps (prefill
+chunks, with or without decodes), all sharing one memory pool.
 
 A decode step with n requests replays the smallest graph of size >= n, its extra rows padded into the null block.
-Graphs capture views of StepInputs' persistent buffers, so a replay only needs those buffers filled.
+A mixed step of t tokens replays the smallest mixed graph of >= t tokens: its padding tokens belong to one extra
+request (StepInputs.pad_mixed). Such steps are short on the device (a follow-up turn on a long cached prefix, a
+short prompt) and were bound by the host launching ~10 kernels per layer one by one; as a graph they launch once.
+The attention kernel reads every length from device memory and sizes its grid by token and request capacity, so
+one capture serves every layout. Graphs capture views of StepInputs' persistent buffers, so a replay only needs
+those buffers filled.
 """
 from __future__ import annotations
 
@@ -26,6 +32,14 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(s for s in sizes if s <= max_num_seqs))
 
 
+# Token counts of the mixed graphs. Above the largest, the device's time dominates the host's launches.
+MIXED_SIZES = (16, 32, 64, 128, 256, 512)
+
+
+def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
+    return [t for t in MIXED_SIZES if t <= max_num_batched_tokens]
+
+
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, inputs: StepInputs, backend: AttentionBackend, max_num_seqs: int,
                  max_model_len: int) -> None:
@@ -36,6 +50,11 @@ class CUDAGraphRunner:
         self.max_model_len = max_model_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.mixed_sizes = mixed_capture_sizes(inputs.input_ids.shape[0])
+        # Requests a mixed graph is shaped for: every real one, plus the one that owns the padding tokens.
+        self.mixed_reqs = max_num_seqs + 1
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
 
@@ -44,32 +63,58 @@ class CUDAGraphRunner:
         return self.inputs.metadata(self.backend, bs, bs, list(range(bs + 1)), [], max_query_len=1,
                                     max_seq_len=self.max_model_len, for_capture=True)
 
+    def _mixed_meta(self, num_tokens: int):
+        return self.inputs.metadata(self.backend, num_tokens, self.mixed_reqs, list(range(self.mixed_reqs + 1)), [],
+                                    max_query_len=num_tokens, max_seq_len=self.max_model_len, for_capture=True)
+
     @torch.inference_mode()
     def capture(self) -> float:
         start = time.perf_counter()
         inp = self.inputs
-        for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool memory
+        # Largest first: later graphs reuse its pool memory.
+        for t in reversed(self.mixed_sizes):
+            inp.pad_mixed(0, 0, t, self.mixed_reqs)
+            self.mixed_graphs[t], self.mixed_outputs[t] = self._capture_one(t, self._mixed_meta(t))
+        for bs in reversed(self.sizes):
             inp.pad_decode(0, bs)
-            meta = self._meta(bs)
-            for _ in range(2):  # warm-up outside the graph (autotuning, lazy allocations)
-                self.model(inp.input_ids[:bs], inp.positions[:bs], meta)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[bs] = self.model(inp.input_ids[:bs], inp.positions[:bs], meta)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs], self.outputs[bs] = self._capture_one(bs, self._meta(bs))
         torch.cuda.synchronize()
         seconds = self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (batch 1..%d) in %.2f s", len(self.sizes), self.sizes[-1], seconds)
+        logger.info("captured %d CUDA graphs (decode batch 1..%d, mixed steps of %s tokens) in %.2f s",
+                    len(self.sizes) + len(self.mixed_sizes), self.sizes[-1],
+                    f"{self.mixed_sizes[0]}..{self.mixed_sizes[-1]}" if self.mixed_sizes else "no", seconds)
         return seconds
+
+    def _capture_one(self, num_tokens: int, meta) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        inp = self.inputs
+        for _ in range(2):  # warm-up outside the graph (autotuning, lazy allocations)
+            self.model(inp.input_ids[:num_tokens], inp.positions[:num_tokens], meta)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.model(inp.input_ids[:num_tokens], inp.positions[:num_tokens], meta)
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
 
     def padded_size(self, num_reqs: int) -> int | None:
         for size in self.sizes:
             if size >= num_reqs:
                 return size
         return None
+
+    def mixed_size(self, num_tokens: int, num_reqs: int) -> int | None:
+        """The mixed graph for a step of num_tokens tokens over num_reqs requests, if one covers it."""
+        if num_reqs >= self.mixed_reqs:
+            return None
+        return next((t for t in self.mixed_sizes if t >= num_tokens), None)
+
+    def replay_mixed(self, num_tokens: int, num_reqs: int) -> torch.Tensor:
+        """Inputs of a mixed step are already in the buffers; returns the hidden states of its num_tokens tokens."""
+        t = self.mixed_size(num_tokens, num_reqs)
+        self.inputs.pad_mixed(num_tokens, num_reqs, t, self.mixed_reqs)
+        self.mixed_graphs[t].replay()
+        return self.mixed_outputs[t][:num_tokens]
 
     def replay(self, num_reqs: int) -> torch.Tensor:
         """Inputs for num_reqs decode rows are already in the buffers; returns their hidden states."""

@@ -215,10 +215,14 @@ class ModelRunner:
         return StepBatch(scheduled, states, num_tokens, num_reqs, meta, sample_idx, sample_states)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Final hidden states of every scheduled token: a captured graph for decode-only batches it covers."""
+        """Final hidden states of every scheduled token: a captured graph for the decode batches and the small mixed
+        steps it covers."""
         graphs = self.graph_runner
-        if graphs is not None and batch.meta[0].decode_only and graphs.padded_size(batch.num_reqs):
-            return graphs.replay(batch.num_reqs)
+        if graphs is not None:
+            if batch.meta[0].decode_only and graphs.padded_size(batch.num_reqs):
+                return graphs.replay(batch.num_reqs)
+            if not batch.meta[0].decode_only and graphs.mixed_size(batch.num_tokens, batch.num_reqs):
+                return graphs.replay_mixed(batch.num_tokens, batch.num_reqs)
         n = batch.num_tokens
         return self.model(self.inputs.input_ids[:n], self.inputs.positions[:n], batch.meta)
 

@@ -187,3 +187,33 @@ def test_launch_policy_boundaries():
     # Capacities only: the policy has no argument for sequence lengths.
     with pytest.raises(ValueError, match="num_kv_heads"):
         policy(num_q_heads=30)
+
+
+@pytest.mark.parametrize("padded_tokens,padded_reqs", [(64, 9), (65, 7)])  # a spare row beyond; exactly full
+def test_mixed_graph_padding_leaves_real_rows_alone(padded_tokens, padded_reqs, device):
+    """A mixed step laid out as its CUDA graph replays it (StepInputs.pad_mixed): the padding tokens belong to one
+    extra request over the null block, later rows have no tokens. Real rows equal the unpadded launch's, and the
+    padding writes no KV."""
+    from surge.attention.triton_backend import TritonAttentionBackend
+    from surge.worker.step_inputs import StepInputs
+
+    requests = MIXED
+    q, k, v, cache, meta, full_k, full_v = _batch(requests, 16, 8, 2, 32, torch.float32, device, seed=11)
+    n, r = meta.num_tokens, meta.num_reqs
+    inputs = StepInputs(padded_tokens, padded_reqs - 1, meta.block_table.shape[1], 1, 16, device)
+    inputs.query_start_loc[:r + 1].copy_(meta.query_start_loc_t)
+    inputs.seq_lens[:r].copy_(meta.seq_lens_t)
+    inputs.slot_mapping[0][:n].copy_(meta.slot_mapping)
+    inputs.block_tables[0][:r].copy_(meta.block_table)
+    inputs.pad_mixed(n, r, padded_tokens, padded_reqs)
+    padded = inputs.metadata(TritonAttentionBackend(), padded_tokens, padded_reqs, [], [], padded_tokens, 512,
+                             for_capture=True)[0]
+    extra = padded_tokens - n
+    gen = torch.Generator().manual_seed(1)
+    qp, kp, vp = (torch.cat([t, torch.randn(extra, *t.shape[1:], generator=gen).to(device)]) for t in (q, k, v))
+    before = cache.clone()
+    got = _run_triton(qp, kp, vp, cache, padded, None, 32 ** -0.5)
+    written = cache.isnan() != before.isnan()
+    assert int(written.sum()) == n * 2 * 2 * 32  # the real tokens' k and v only
+    dense = _dense_reference(q, full_k, full_v, requests, None, 32 ** -0.5)
+    torch.testing.assert_close(got[:n].double().cpu(), dense, atol=2e-5, rtol=2e-5)
