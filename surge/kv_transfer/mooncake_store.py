@@ -33,7 +33,8 @@ from surge.core.kv_connector import KVConnectorOutput
 from surge.core.request import Request
 from surge.core.scheduler_output import SchedulerOutput
 from surge.distributed.parallel_state import get_tp_group
-from surge.kv_transfer.base import KVConnectorBase, KVConnectorRole, agree_across_ranks, block_layout_key
+from surge.kv_transfer.base import (KVConnectorBase, KVConnectorRole, agree_across_ranks, block_index,
+                                    block_layout_key)
 from surge.logger import init_logger
 
 logger = init_logger(__name__)
@@ -583,7 +584,7 @@ class MooncakeStoreConnector(KVConnectorBase):
             start = time.perf_counter()
             for g, first, block_ids in self._group_runs(chunk):
                 layers = self.kv_cache_config.groups[g].layer_ids
-                ids = torch.tensor(block_ids, device=self._caches[layers[0]].device)
+                ids = block_index(block_ids, self._caches[layers[0]].device)
                 gathered = torch.stack([self._caches[layer].index_select(1, ids) for layer in layers])
                 self._staged(g, first, len(block_ids)).copy_(gathered.permute(2, 0, 1, 3, 4, 5), non_blocking=True)
             if self._pin:
@@ -636,9 +637,9 @@ class MooncakeStoreConnector(KVConnectorBase):
             for g, first, block_ids in self._group_runs(chunk):
                 layers = self.kv_cache_config.groups[g].layer_ids
                 device = self._caches[layers[0]].device
+                ids = block_index(block_ids, device)
                 staged = self._staged(g, first, len(block_ids))
                 src = staged.to(device, non_blocking=True) if self._pin else staged
-                ids = torch.tensor(block_ids, device=device)
                 for li, layer in enumerate(layers):
                     self._caches[layer].index_copy_(1, ids, src[:, li].transpose(0, 1))
             job.seconds += time.perf_counter() - start

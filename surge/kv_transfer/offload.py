@@ -23,7 +23,8 @@ from surge.core.kv_cache.spec import KVCacheConfig
 from surge.core.kv_connector import KVConnectorOutput
 from surge.core.request import Request
 from surge.core.scheduler_output import SchedulerOutput
-from surge.kv_transfer.base import KVConnectorBase, KVConnectorRole, agree_across_ranks, gather_across_ranks
+from surge.kv_transfer.base import (KVConnectorBase, KVConnectorRole, agree_across_ranks, block_index,
+                                    gather_across_ranks)
 from surge.logger import init_logger
 
 logger = init_logger(__name__)
@@ -83,6 +84,7 @@ class OffloadingConnector(KVConnectorBase):
             self._done_recving: set[str] = set()
             self._failed_recving: set[str] = set()
             self._loads_in_flight: list[tuple[str, object]] = []  # (request id, a CUDA event or a thread)
+            self._load_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # device time of loads
             self._stats = KVConnectorOutput()
 
     # ---- scheduler side ----
@@ -237,21 +239,33 @@ class OffloadingConnector(KVConnectorBase):
         """The job's pool slots into its blocks, per stored group: a copy per run of consecutive slots from the
         (pinned) pool straight to the device, then one scatter per layer."""
         start = time.perf_counter()
+        timing = None
+        if self._caches[0].device.type == "cuda":  # the copies run on the device: time them there
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record()
         nbytes = 0
         for layers, pool, copies in self._group_copies(job):
             device = self._caches[layers[0]].device
+            ids = block_index([b for _, b in copies], device)
             staging = torch.empty((len(copies), *pool.shape[1:]), dtype=pool.dtype, device=device)
             for first, lo, hi in _runs([slot for slot, _ in copies]):
                 staging[first:first + hi - lo].copy_(pool[lo:hi], non_blocking=True)
-            ids = torch.tensor([b for _, b in copies], device=device)
             for li, layer in enumerate(layers):  # [n, 2, bs, H, D] -> the cache's [2, n, bs, H, D] at ids
                 self._caches[layer].index_copy_(1, ids, staging[:, li].transpose(0, 1))
             nbytes += staging.numel() * staging.element_size()
         with self._lock:
             self._stats.loaded_bytes += nbytes
-            self._stats.load_seconds += time.perf_counter() - start
+            if timing is None:
+                self._stats.load_seconds += time.perf_counter() - start
+            else:
+                timing[1].record()
+                self._load_timings.append(timing)
 
     def _finish_loads(self) -> None:
+        while self._load_timings and self._load_timings[0][1].query():  # device time of the loads that landed
+            begin, end = self._load_timings.pop(0)
+            with self._lock:
+                self._stats.load_seconds += begin.elapsed_time(end) / 1e3
         still = []
         for rid, handle in self._loads_in_flight:
             done = handle.query() if isinstance(handle, torch.cuda.Event) else not handle.is_alive()
@@ -274,7 +288,7 @@ class OffloadingConnector(KVConnectorBase):
             nbytes, keep = 0, []
             with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
                 for layers, pool, copies in self._group_copies(job):
-                    ids = torch.tensor([b for _, b in copies], device=self._caches[layers[0]].device)
+                    ids = block_index([b for _, b in copies], self._caches[layers[0]].device)
                     # [layers, 2, n, bs, H, D] -> [n, layers, 2, bs, H, D]: a slot's layers side by side
                     gathered = torch.stack([self._caches[layer].index_select(1, ids) for layer in layers])
                     gathered = gathered.permute(2, 0, 1, 3, 4, 5).contiguous()
