@@ -274,8 +274,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    model: str | None = None  # draft_model: an HF-format directory
+    model: str | None = None  # draft_model: an HF-format directory, or a preset's name (random weights)
     draft_tensor_parallel_size: int | None = None  # None: the target's
+    # draft_model: the draft's ModelConfig, derived by the engine's args from `model` (draft_model_config below);
+    # not a key users write.
+    draft: ModelConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -293,6 +296,8 @@ class SpeculativeConfig:
                              "'draft_model'")
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config.model is for method 'draft_model'; 'ngram' uses no model")
+        if self.draft is not None and not isinstance(self.draft, ModelConfig):
+            raise ValueError("speculative_config.draft is derived by the engine from 'model'; do not set it")
 
     @staticmethod
     def parse(value: str | dict | SpeculativeConfig) -> SpeculativeConfig:

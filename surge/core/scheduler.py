@@ -23,8 +23,11 @@ from surge.core.scheduler_output import NewRequest, ScheduledRequest, SchedulerO
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 connector: SchedulerConnector | None = None) -> None:
+                 connector: SchedulerConnector | None = None, num_lookahead_tokens: int = 0) -> None:
         self.config = config
+        # A draft model writes its KV for up to this many positions past a sampling step's end while it proposes
+        # (surge/worker/draft_model.py): they get slots too, and are not offered to the prefix cache.
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.kv = kv_cache_manager
         self.connector = connector
         # Requests whose KV an asynchronous connector load is bringing in (blocks allocated, not schedulable yet),
@@ -74,7 +77,8 @@ class Scheduler:
             num_spec = self._num_spec_tokens(req)
             num_new = min(req.num_tokens_with_pending - req.num_computed_tokens + num_spec, budget)
             assert num_new > 0
-            while not self.kv.allocate_slots(req, num_new):
+            lookahead = self._num_lookahead(req.num_computed_tokens + num_new, req.num_tokens_with_pending)
+            while not self.kv.allocate_slots(req, num_new + lookahead, num_unready_tokens=lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
@@ -107,8 +111,10 @@ class Scheduler:
             elif not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(req, num_external + num_new, hit, num_hit,
-                                          num_unready_tokens=num_external if load_async else 0):
+            lookahead = self._num_lookahead(req.num_computed_tokens + num_hit + num_external + num_new,
+                                            req.num_tokens)
+            if not self.kv.allocate_slots(req, num_external + num_new + lookahead, hit, num_hit,
+                                          num_unready_tokens=(num_external if load_async else 0) + lookahead):
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
@@ -145,6 +151,13 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _num_lookahead(self, end: int, num_tokens: int) -> int:
+        """Slots past a step's end for the draft model's proposals: only when the step samples, within
+        max_model_len."""
+        if not self.num_lookahead_tokens or end < num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.config.max_model_len - end))
 
     def _num_spec_tokens(self, req: Request) -> int:
         """Drafts to verify this step: only after the whole known sequence, and never past max_model_len."""

@@ -19,7 +19,7 @@ from surge.config import (WEIGHT_CACHE_MODES, CacheConfig, EngineConfig, KVTrans
                           ParallelConfig, SchedulerConfig, SpeculativeConfig, WeightCacheConfig)
 from surge.model.loader.base import load_formats
 from surge.model.models.registry import MODEL_REGISTRY
-from surge.model.presets import preset_model_config
+from surge.model.presets import PRESETS, preset_model_config
 from surge.structured_output.reasoning import REASONING_MARKERS
 
 # "auto": the checkpoint of a model directory, random weights for a preset.
@@ -189,16 +189,23 @@ class EngineArgs:
             warmup_workers=self.warmup_workers,
             weight_cache_config=weight_cache_config,
             kv_transfer_config=self.create_kv_transfer_config(),
-            speculative_config=self.create_speculative_config(),
+            speculative_config=self.create_speculative_config(model_config, device),
         )
 
-    def create_speculative_config(self) -> SpeculativeConfig | None:
+    def create_speculative_config(self, target: ModelConfig, device: torch.device) -> SpeculativeConfig | None:
         if self.speculative_config is None:
             return None
         config = SpeculativeConfig.parse(self.speculative_config)
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config.method={config.method!r} is not available yet; 'ngram' is")
-        return config
+        if config.method != "draft_model":
+            return config
+        # The draft at the target's length: a draft that cannot reach it fails here, naming itself.
+        if config.model in PRESETS:  # random weights, like a preset target's
+            draft = preset_model_config(config.model, target.dtype, device, target.max_model_len)
+            draft = dataclasses.replace(config.draft_model_config(target, draft), load_format="dummy")
+        else:
+            draft = config.draft_model_config(target, read_model_config(config.model, target.dtype, device,
+                                                                        target.max_model_len))
+        return dataclasses.replace(config, draft=draft)
 
     def create_kv_transfer_config(self) -> KVTransferConfig | None:
         if self.kv_offload_gib is not None and not (isinstance(self.kv_offload_gib, (int, float))

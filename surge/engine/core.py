@@ -72,9 +72,13 @@ class EngineCore:
                                                config.cache_config.enable_prefix_caching)
         # The scheduler half of the KV connector, if any (each worker rank holds the other half).
         self.kv_connector = create_connector(config, KVConnectorRole.SCHEDULER, self.executor.kv_cache_config)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector)
         sc = config.speculative_config
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
+                                   num_lookahead_tokens=sc.num_speculative_tokens
+                                   if sc is not None and sc.method == "draft_model" else 0)
+        # n-gram drafts are looked up here; a draft model's come with each step's output.
         self.proposer = NgramProposer(sc) if sc is not None and sc.method == "ngram" else None
+        self.speculates = sc is not None
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._first_scheduled: dict[str, float] = {}  # request id -> when first scheduled, until its first output
@@ -161,7 +165,7 @@ class EngineCore:
         self._in_flight = (sched_out, launched)
         return outputs
 
-    def _propose(self, requests) -> None:
+    def _propose(self, requests, drafted: dict[str, list[int]]) -> None:
         """Drafts for the next step of every request the verification covers (greedy or sampled, penalties,
         min_tokens, logprobs: exact per position); none under a grammar (its mask is per position) or with a
         token still in flight."""
@@ -170,7 +174,11 @@ class EngineCore:
             if req.is_finished or req.num_pending_tokens or p.structured_outputs is not None:
                 continue
             left = None if p.max_tokens is None else p.max_tokens - req.num_output_tokens - 1
-            req.spec_token_ids = self.proposer.propose(req.token_ids, left)
+            if self.proposer is not None:
+                req.spec_token_ids = self.proposer.propose(req.token_ids, left)
+            else:
+                req.spec_token_ids = drafted.get(req.request_id, [])[:left if left is None else max(left, 0)]
+
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         sched_out, launched = self._in_flight
@@ -183,8 +191,8 @@ class EngineCore:
                 if (req := self.scheduler.requests.get(s.request_id)) is not None}
         progressed = {req.request_id: (req, tokens) for req, tokens in self.scheduler.update_from_output(
             sched_out, result.sampled, result.kv_connector_output)}
-        if self.proposer is not None:
-            self._propose(req for req, _ in progressed.values())
+        if self.speculates:
+            self._propose((req for req, _ in progressed.values()), result.draft_token_ids)
         outputs = []
         for rid, req in live.items():
             prompt_lp = result.prompt_logprobs.get(rid)

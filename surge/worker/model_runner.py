@@ -28,7 +28,8 @@ from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logpr
 from surge.model.loader.base import load_model
 from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from surge.worker.request_state import CachedRequestState, RequestStates
-from surge.worker.spec_verify import VerifiedDrafts, verify
+from surge.worker.draft_model import DraftModel
+from surge.worker.spec_verify import VerifiedDrafts, VerifyResult, verify
 from surge.worker.step_inputs import StepInputs
 import surge.attention.torch_backend  # noqa: F401,I001  (registers the backends)
 import surge.attention.triton_backend  # noqa: F401,I001
@@ -50,6 +51,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     logprobs: dict[str, list[TokenLogprobs]] = {}  # request id -> one entry per new token
     prompt_logprobs: dict[str, PromptLogprobs] = {}
     kv_connector_output: KVConnectorOutput | None = None  # with a KV connector: loads and saves that finished
+    draft_token_ids: dict[str, list[int]] = {}  # a draft model's proposals for each sampling request's next step
 
 
 def available_memory(device: torch.device) -> int:
@@ -99,8 +101,13 @@ class ModelRunner:
         self.tp = get_tp_group()
         self.samples = self.tp.rank == 0  # the rank that receives logits
         self.backend = get_backend(default_backend_name(self.device))
+        spec = config.speculative_config  # a draft model: its own KV layers in the same blocks
+        self.draft = DraftModel(config, self.device) if spec is not None and spec.method == "draft_model" else None
+        self._verified: tuple[list[str], list[int], VerifyResult | None] | None = None  # this step's verdicts
         self.kv_cache_config = self._size_kv_cache()
         self._allocate_kv_cache()
+        if self.draft is not None:
+            self.draft.bind_kv_cache(self.kv_cache_config, self.backend)
         # The worker half of the KV connector, if any: it moves blocks between these caches and its store.
         self.kv_connector = create_connector(config, KVConnectorRole.WORKER, self.kv_cache_config)
         if self.kv_connector is not None:
@@ -141,6 +148,7 @@ class ModelRunner:
         mc, cc = self.config.model_config, self.config.cache_config
         groups = kv_cache_groups(self.config, self.tp.rank)
         probe = KVCacheConfig(groups, num_blocks=2)
+        bytes_per_block = probe.bytes_per_block + (self.draft.bytes_per_block(cc.block_size) if self.draft else 0)
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         else:
@@ -150,16 +158,16 @@ class ModelRunner:
                 budget = int(available_memory(self.device) * cc.memory_fraction)
                 if self.device.type == "cpu":  # the node's ranks share its RAM
                     budget = min(budget, _CPU_DEFAULT_KV_BYTES) // self.config.parallel_config.local_world_size
-            num_blocks = budget // probe.bytes_per_block + 1  # + the null block
+            num_blocks = budget // bytes_per_block + 1  # + the null block
             num_blocks = self.tp.min_int(num_blocks)  # free memory differs a little from rank to rank
         capacity = (num_blocks - 1) * cc.block_size
         if capacity < mc.max_model_len:
             raise ValueError(
                 f"the KV cache budget holds {capacity} tokens ({num_blocks - 1} blocks of {cc.block_size}, "
-                f"{probe.bytes_per_block} bytes each), fewer than max_model_len={mc.max_model_len}; "
+                f"{bytes_per_block} bytes each), fewer than max_model_len={mc.max_model_len}; "
                 "raise kv_cache_memory / memory_fraction or lower max_model_len")
         logger.info("KV cache: %d blocks x %d tokens per group, %d group(s), %.1f MiB", num_blocks - 1,
-                    cc.block_size, len(groups), num_blocks * probe.bytes_per_block / 2**20)
+                    cc.block_size, len(groups), num_blocks * bytes_per_block / 2**20)
         return KVCacheConfig(groups, num_blocks)
 
     def _allocate_kv_cache(self) -> None:
@@ -193,6 +201,11 @@ class ModelRunner:
             hidden = self.forward(batch)
             self.compute_prompt_logprobs(batch, hidden, pending)
             self.sample(batch, hidden, pending)
+            if self.draft is not None:  # its KV for this step's tokens, then k proposals per sampling request
+                self.draft.forward_step(self.inputs, batch.num_tokens, batch.meta)
+                drafted = self.draft.propose_after(batch, self._last_sampled, self._last_rows, self._verified)
+                if drafted is not None and self.samples:
+                    pending.drafts = (drafted[0], _to_host(drafted[1]))
         if connector is not None:
             connector.save_kv()
             pending.kv_output = connector.get_finished()
@@ -284,12 +297,14 @@ class ModelRunner:
                 k = len(s.spec_token_ids)
                 requests.append((state, s.spec_token_ids))
                 idx.extend(range(qsl[i + 1] - 1 - k, qsl[i + 1]))
+        self._verified = None
         if not requests:
             return
         logits = self.model.compute_logits(hidden[device_tensor(idx, self.device, torch.long)])
-        if logits is None:
+        out = verify(logits, requests) if logits is not None else None
+        self._verified = ([state.request_id for state, _ in requests], [len(d) for _, d in requests], out)
+        if out is None:
             return
-        out = verify(logits, requests)
         pending.verify = VerifiedDrafts(
             [state.request_id for state, _ in requests], [len(d) for _, d in requests],
             [state.params.logprobs for state, _ in requests], _to_host(out.token_ids), _to_host(out.num_accepted),
@@ -327,6 +342,7 @@ class PendingOutput:
     prompt_logprobs: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     kv_output: KVConnectorOutput | None = None
     verify: VerifiedDrafts | None = None
+    drafts: tuple[list[str], torch.Tensor] | None = None  # the draft model's proposals: request ids, [n, k]
 
     def ready(self) -> bool:
         """True once result() would not wait."""
@@ -345,6 +361,8 @@ class PendingOutput:
                     result.logprobs[rid] = [(ids[j][:1 + num], lps[j][:1 + num], ranks[j])]
         if self.verify is not None:
             self.verify.into(result)
+        if self.drafts is not None:
+            result.draft_token_ids = dict(zip(self.drafts[0], self.drafts[1].tolist()))
         for rid, first, ids, lps, ranks in self.prompt_logprobs:
             result.prompt_logprobs[rid] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
         return result

@@ -1,0 +1,178 @@
+"""The draft-model proposer: a smaller model sharing the tokenizer, run by the same workers beside the target, with
+its own KV cache layers in the target's block tables and slot mappings (as vLLM does).
+
+Every step the draft runs over the same tokens as the target, with the same attention metadata, so its KV follows
+the target's through chunked prefill, prefix-cache hits (a cached block holds both) and preemption (both are
+recomputed). After sampling, it decodes k tokens greedily from each sampling request's new last token; those KV
+writes land in lookahead slots the scheduler reserved past the step's end, and the next step rewrites them.
+Greedy drafting makes q a point mass on each draft, which the rejection rule takes as it takes n-gram drafts.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from surge.attention.backend import AttentionBackend, AttentionShapes
+from surge.config import EngineConfig
+from surge.core.kv_cache.spec import KVCacheConfig, build_kv_cache_groups
+from surge.distributed.parallel_state import get_tp_group
+from surge.logger import init_logger
+from surge.model.layers.linear import num_kv_heads_per_rank
+from surge.model.loader.base import load_model
+from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
+from surge.worker.step_inputs import StepInputs
+
+logger = init_logger(__name__)
+
+
+class DraftModel:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        sc = config.speculative_config
+        assert sc is not None and sc.method == "draft_model" and sc.draft is not None
+        parallel = sc.draft_parallel_config(config.parallel_config)
+        if parallel.tensor_parallel_size != config.parallel_config.tensor_parallel_size:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={parallel.tensor_parallel_size}: a "
+                             "draft on fewer ranks than the target is not supported yet; leave it unset (the "
+                             f"target's {config.parallel_config.tensor_parallel_size})")
+        self.config = dataclasses.replace(config, model_config=sc.draft, parallel_config=parallel)
+        self.k = sc.num_speculative_tokens
+        self.device = device
+        self.tp = get_tp_group()
+        self.model = load_model(self.config, device)
+        mc = sc.draft
+        logger.info("loaded the draft %s (%s, %d layers) for k=%d", mc.architecture, mc.dtype, mc.num_layers, self.k)
+        self.kv_caches: list[torch.Tensor] = []
+        self.inputs: StepInputs | None = None
+        self.graph_runner: CUDAGraphRunner | None = None
+        self.backend: AttentionBackend | None = None
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """What one block id costs in the draft's layers (added to the target's when the cache is sized)."""
+        return KVCacheConfig(self._groups(block_size), num_blocks=2).bytes_per_block
+
+    def _groups(self, block_size: int):
+        mc = self.config.model_config
+        kv_heads = num_kv_heads_per_rank(mc.num_kv_heads, self.config.parallel_config.tensor_parallel_size,
+                                         self.tp.rank)
+        return build_kv_cache_groups(mc.layer_types, mc.sliding_window, block_size, kv_heads, mc.head_dim, mc.dtype)
+
+    def bind_kv_cache(self, target: KVCacheConfig, backend: AttentionBackend) -> None:
+        """One cache tensor per draft layer, addressed through the target group of the same attention kind."""
+        mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
+        self.backend = backend
+        windows = {getattr(g.spec, "sliding_window", None): g.group_id for g in target.groups}
+        for layer_id, attn in enumerate(self.model.attention_layers()):
+            window = mc.sliding_window if mc.layer_types[layer_id] == "sliding_attention" else None
+            if window not in windows:
+                kind = "full attention" if window is None else f"a sliding window of {window}"
+                raise ValueError(f"speculative_config.model={self.config.model_config.model!r}: its layer {layer_id} "
+                                 f"has {kind}, which no KV cache group of the target has (the draft shares the "
+                                 "target's block tables)")
+            group = target.groups[windows[window]]
+            shape = backend.kv_cache_shape(target.num_blocks, group.spec.block_size, attn.num_kv_heads, mc.head_dim)
+            cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
+            attn.kv_cache, attn.group_id, attn.backend = cache, group.group_id, backend
+            self.kv_caches.append(cache)
+        self.inputs = StepInputs(sc.max_num_seqs, sc.max_num_seqs, -(-mc.max_model_len // cc.block_size),
+                                 len(target.groups), cc.block_size, self.device)
+        self._warm_up(backend)
+        if not self.config.enforce_eager and backend.supports_cuda_graphs:
+            self.graph_runner = CUDAGraphRunner(self.model, self.inputs, backend, sc.max_num_seqs, mc.max_model_len)
+            self.graph_runner.capture()
+
+    def _warm_up(self, backend: AttentionBackend) -> None:
+        mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
+        attn = self.model.attention_layers()[0]
+        shapes = AttentionShapes(attn.num_heads, attn.num_kv_heads, mc.head_dim, cc.block_size, mc.dtype,
+                                 tuple(sorted({t == "sliding_attention" for t in mc.layer_types})))
+        sizes = capture_sizes(sc.max_num_seqs) if not self.config.enforce_eager else []
+        backend.warm_up(self.device, shapes, sizes, sc.max_num_seqs, self.config.warmup_workers)
+
+    def forward_step(self, inputs: StepInputs, num_tokens: int, meta) -> None:
+        """The step's tokens through the draft, with the target's inputs and metadata: its KV for them."""
+        self.model(inputs.input_ids[:num_tokens], inputs.positions[:num_tokens], meta)
+
+    @torch.inference_mode()
+    def propose(self, first_tokens: torch.Tensor, positions: list[int], block_ids: list[list[list[int]]]
+                ) -> torch.Tensor:
+        """k greedy tokens [n, k] per request from its new last token (first_tokens [n], on every rank) at
+        positions[i], its block table per group block_ids[i]. A position past the request's blocks (the end of
+        max_model_len) writes to the null block; its drafts are cut off by the engine anyway."""
+        inp, bs = self.inputs, self.config.cache_config.block_size
+        n, k = len(positions), self.k
+        pos = np.asarray(positions, dtype=np.int64)[None, :] + np.arange(k, dtype=np.int64)[:, None]  # [k, n]
+        tables, slots = [], []
+        for g in range(len(inp.block_tables)):
+            rows = [b[g] for b in block_ids]
+            width = max(1, max(len(r) for r in rows))
+            table = np.zeros((n, width), dtype=np.int64)
+            for i, r in enumerate(rows):
+                table[i, :len(r)] = r
+            col = pos // bs
+            inside = col < np.asarray([len(r) for r in rows])[None, :]
+            block = np.where(inside, table[np.arange(n)[None, :], np.minimum(col, width - 1)], 0)
+            slots.append(block * bs + pos % bs)  # [k, n]
+            tables.append(table)
+        host = torch.from_numpy(np.concatenate([pos.reshape(-1), *(s.reshape(-1) for s in slots)]))
+        dev = host.to(self.device, non_blocking=False)
+        pos_dev, slot_dev = dev[:k * n].view(k, n), dev[k * n:].view(len(slots), k, n)
+        for g, table in enumerate(tables):
+            inp.block_tables[g][:n].zero_()
+            inp.block_tables[g][:n, :table.shape[1]].copy_(torch.from_numpy(table).to(self.device))
+        inp.query_start_loc[:n + 1].copy_(torch.arange(n + 1, device=self.device))
+        inp.input_ids[:n].copy_(first_tokens)
+        drafts = torch.empty(n, k, dtype=torch.int64, device=self.device)
+        graphs = self.graph_runner
+        for j in range(k):
+            inp.positions[:n].copy_(pos_dev[j])
+            inp.seq_lens[:n].copy_(pos_dev[j] + 1)
+            for g in range(len(tables)):
+                inp.slot_mapping[g][:n].copy_(slot_dev[g, j])
+            seq_lens = (pos[j] + 1).tolist()
+            meta = inp.metadata(self.backend, n, n, list(range(n + 1)), seq_lens, 1, max(seq_lens))
+            if graphs is not None and graphs.padded_size(n):
+                hidden = graphs.replay(n)
+            else:
+                hidden = self.model(inp.input_ids[:n], inp.positions[:n], meta)
+            logits = self.model.compute_logits(hidden)  # rank 0 only
+            nxt = logits.argmax(dim=-1) if logits is not None else torch.empty(n, dtype=torch.int64,
+                                                                                device=self.device)
+            nxt = self.tp.broadcast(nxt)
+            drafts[:, j] = nxt
+            inp.input_ids[:n].copy_(nxt)
+        return drafts
+
+    def propose_after(self, batch, last_sampled: torch.Tensor | None, last_rows: dict[str, int],
+                      verified) -> tuple[list[str], torch.Tensor] | None:
+        """Proposals for every request that sampled this step (request ids, drafts [n, k]), from its new last
+        token: the sampler's, or for a request with drafts the token after its accepted ones (rank 0 decided;
+        the others learn it, and how many were accepted, by one broadcast)."""
+        rows = [(s, state) for s, state in zip(batch.scheduled, batch.states) if s.samples]
+        if not rows:
+            return None
+        spec_row: dict[str, int] = {}
+        if verified is not None:
+            ids, num_drafts, out = verified
+            spec_row = {rid: j for j, rid in enumerate(ids)}
+            buf = torch.zeros(2, len(ids), dtype=torch.int64, device=self.device)
+            if out is not None:
+                k_plus_1 = torch.tensor(num_drafts, device=self.device) + 1
+                starts = torch.cumsum(k_plus_1, 0) - k_plus_1
+                buf[0] = out.token_ids[starts + out.num_accepted]
+                buf[1] = out.num_accepted
+            buf = self.tp.broadcast(buf)
+            accepted = buf[1].tolist()  # waits for the verdict: the positions below depend on it
+        first, positions = [], []
+        for s, state in rows:
+            end = s.num_computed_tokens + s.num_new_tokens  # the sampled token's position for a plain row
+            j = spec_row.get(s.request_id)
+            if j is None:
+                first.append(last_sampled[last_rows[s.request_id]])
+                positions.append(end)
+            else:
+                first.append(buf[0, j])
+                positions.append(end - len(s.spec_token_ids) + accepted[j])
+        drafts = self.propose(torch.stack(first), positions, [state.block_ids for _, state in rows])
+        return [s.request_id for s, _ in rows], drafts
