@@ -2,9 +2,9 @@
 chunks, with or without decodes), all sharing one memory pool.
 
 A decode step with n requests replays the smallest graph of size >= n, its extra rows padded into the null block.
-A mixed step of t tokens replays the smallest mixed graph of >= t tokens: its padding tokens belong to one extra
-request (StepInputs.pad_mixed). Such steps are short on the device (a follow-up turn on a long cached prefix, a
-short prompt) and were bound by the host launching ~10 kernels per layer one by one; as a graph they launch once.
+A mixed step of t tokens replays the smallest mixed graph of >= t tokens, shaped for max_num_seqs requests: its
+padding tokens belong to no request and its padding requests have no tokens (StepInputs.pad_mixed). Such steps
+are short on the device (a follow-up turn on a long cached prefix, a short prompt) and were bound by the host launching ~10 kernels per layer one by one; as a graph they launch once.
 The attention kernel reads every length from device memory and sizes its grid by token and request capacity, so
 one capture serves every layout. Graphs capture views of StepInputs' persistent buffers, so a replay only needs
 those buffers filled.
@@ -51,8 +51,7 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.mixed_sizes = mixed_capture_sizes(inputs.input_ids.shape[0])
-        # Requests a mixed graph is shaped for: every real one, plus the one that owns the padding tokens.
-        self.mixed_reqs = max_num_seqs + 1
+        self.mixed_reqs = max_num_seqs  # requests a mixed graph is shaped for
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -105,7 +104,7 @@ class CUDAGraphRunner:
 
     def mixed_size(self, num_tokens: int, num_reqs: int) -> int | None:
         """The mixed graph for a step of num_tokens tokens over num_reqs requests, if one covers it."""
-        if num_reqs >= self.mixed_reqs:
+        if num_reqs > self.mixed_reqs:
             return None
         return next((t for t in self.mixed_sizes if t >= num_tokens), None)
 

@@ -16,7 +16,6 @@ class StepInputs:
                  device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
-        max_reqs += 1  # one spare row: the request that owns a mixed CUDA graph's padding tokens (pad_mixed)
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = [torch.zeros(max_tokens, dtype=torch.int64, device=device) for _ in range(num_groups)]
@@ -29,7 +28,6 @@ class StepInputs:
         self._turn = 0
         self._staging_dev: torch.Tensor | None = None
         self._arange = torch.arange(max_reqs + 1, dtype=torch.int32, device=device)
-        self._arange_tokens = torch.arange(max_tokens, dtype=torch.int64, device=device)
 
     def fill(self, scheduled: list[ScheduledRequest], states: list[CachedRequestState],
              last_sampled: torch.Tensor | None = None,
@@ -130,18 +128,15 @@ class StepInputs:
         self.query_start_loc[num_reqs + 1:padded + 1].copy_(self._arange[num_reqs + 1:padded + 1])
 
     def pad_mixed(self, num_tokens: int, num_reqs: int, padded_tokens: int, padded_reqs: int) -> None:
-        """Tokens num_tokens..padded_tokens of a captured mixed graph go to one more request, row num_reqs, with no
-        cached context and the null block as its table; rows after it have no tokens (their tiles return at once).
-        Padding tokens write no KV (slot -1) and compute rows nobody reads; real requests never see them."""
-        n = padded_tokens - num_tokens
+        """Tokens num_tokens..padded_tokens and request rows num_reqs..padded_reqs of a captured mixed graph: the
+        rows have no tokens (their attention tiles return at once) and the tokens belong to no request, write no KV
+        (slot -1) and leave attention rows nobody reads. They never read a block table, however many they are."""
         self.input_ids[num_tokens:padded_tokens].zero_()
-        self.positions[num_tokens:padded_tokens].copy_(self._arange_tokens[:n])
-        for slots, table in zip(self.slot_mapping, self.block_tables):
+        self.positions[num_tokens:padded_tokens].zero_()  # within the rotary table whatever max_model_len is
+        for slots in self.slot_mapping:
             slots[num_tokens:padded_tokens].fill_(-1)
-            table[num_reqs:padded_reqs].zero_()
-        self.seq_lens[num_reqs:num_reqs + 1].fill_(n)
-        self.seq_lens[num_reqs + 1:padded_reqs].zero_()
-        self.query_start_loc[num_reqs + 1:padded_reqs + 1].fill_(padded_tokens)
+        self.seq_lens[num_reqs:padded_reqs].zero_()
+        self.query_start_loc[num_reqs + 1:padded_reqs + 1].fill_(num_tokens)
 
     def metadata(self, backend: AttentionBackend, num_tokens: int, num_reqs: int, query_start_loc: list[int],
                  seq_lens: list[int], max_query_len: int, max_seq_len: int,

@@ -189,24 +189,25 @@ def test_launch_policy_boundaries():
         policy(num_q_heads=30)
 
 
-@pytest.mark.parametrize("padded_tokens,padded_reqs", [(64, 9), (65, 7)])  # a spare row beyond; exactly full
+@pytest.mark.parametrize("padded_tokens,padded_reqs", [(64, 9), (600, 6)])  # spare rows; rows exactly full
 def test_mixed_graph_padding_leaves_real_rows_alone(padded_tokens, padded_reqs, device):
-    """A mixed step laid out as its CUDA graph replays it (StepInputs.pad_mixed): the padding tokens belong to one
-    extra request over the null block, later rows have no tokens. Real rows equal the unpadded launch's, and the
-    padding writes no KV."""
+    """A mixed step laid out as its CUDA graph replays it (StepInputs.pad_mixed): padding tokens belong to no request,
+    padding rows have none. Real rows equal the unpadded launch's, the padding writes no KV, and no tile reads past
+    a block table (600 padding tokens would need 38 blocks of a 4-block table if a request owned them)."""
     from surge.attention.triton_backend import TritonAttentionBackend
     from surge.worker.step_inputs import StepInputs
 
     requests = MIXED
     q, k, v, cache, meta, full_k, full_v = _batch(requests, 16, 8, 2, 32, torch.float32, device, seed=11)
     n, r = meta.num_tokens, meta.num_reqs
-    inputs = StepInputs(padded_tokens, padded_reqs - 1, meta.block_table.shape[1], 1, 16, device)
+    inputs = StepInputs(padded_tokens, padded_reqs, meta.block_table.shape[1], 1, 16, device)
     inputs.query_start_loc[:r + 1].copy_(meta.query_start_loc_t)
     inputs.seq_lens[:r].copy_(meta.seq_lens_t)
     inputs.slot_mapping[0][:n].copy_(meta.slot_mapping)
     inputs.block_tables[0][:r].copy_(meta.block_table)
     inputs.pad_mixed(n, r, padded_tokens, padded_reqs)
-    padded = inputs.metadata(TritonAttentionBackend(), padded_tokens, padded_reqs, [], [], padded_tokens, 512,
+    assert inputs.query_start_loc[padded_reqs] == n and not inputs.seq_lens[r:padded_reqs].any()
+    padded = inputs.metadata(TritonAttentionBackend(), padded_tokens, padded_reqs, [], [], padded_tokens, 64,
                              for_capture=True)[0]
     extra = padded_tokens - n
     gen = torch.Generator().manual_seed(1)
