@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from surge.distributed.parallel_state import get_tp_group
+from surge.model.layers.gemm import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -44,7 +45,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [n, V] on rank 0; None on the other ranks."""
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         full = get_tp_group().gather(logits, dim=-1)

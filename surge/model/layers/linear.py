@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from surge.distributed.parallel_state import get_tp_group
+from surge.model.layers.gemm import linear
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -81,7 +81,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(Linear):
@@ -173,6 +173,6 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+            return linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return get_tp_group().all_reduce(out)
