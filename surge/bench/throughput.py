@@ -3,7 +3,9 @@ optionally side by side with HF transformers on the same weights and workload, i
 
 The HF peer is `generate` (static batches, left-padded) on CPU and `generate_batch`-style continuous batching on
 CUDA. Prints requests/s, output and total tokens/s, and the compute rate the tokens imply (2 x params FLOP/token;
-of a mixture of experts, the params each token is routed through).
+of a mixture of experts, the params each token is routed through). `--batch-sizes 16,1` runs the workload in waves
+of each size on both sides and prints one ratio per size; `--repeats N` times each side N times in turn, keeping
+the best, so one command gives figures a busy machine cannot skew toward either side.
 """
 from __future__ import annotations
 
@@ -28,6 +30,11 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workload-seed", type=int, default=0)
     g.add_argument("--compare-hf", action="store_true", help="also run HF transformers and print the ratio")
     g.add_argument("--hf-batch-size", type=int, default=None, help="HF generate batch size (default: all prompts)")
+    g.add_argument("--batch-sizes", default=None, metavar="B1,B2,...",
+                   help="run the workload in waves of B requests for each B, Surge and HF alike, and print a ratio "
+                   "for each (e.g. 16,1)")
+    g.add_argument("--repeats", type=int, default=1, help="timed runs of each side, Surge and HF in turn; the best "
+                   "of each is reported (a shared machine's noise only ever slows a run down)")
 
 
 def _report(name: str, seconds: float, out_tokens: int, in_tokens: int, num_requests: int,
@@ -39,7 +46,28 @@ def _report(name: str, seconds: float, out_tokens: int, in_tokens: int, num_requ
     return out_tokens / seconds
 
 
+def parse_batch_sizes(text: str | None) -> list[int | None]:
+    """"16,1" -> [16, 1]; None -> [None] (every prompt at once)."""
+    if text is None:
+        return [None]
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch-sizes={text!r} must be comma-separated integers, e.g. 16,1") from None
+    if min(sizes) < 1:
+        raise ValueError(f"--batch-sizes={text!r}: every batch size must be >= 1")
+    return sizes
+
+
+def _waves(workload: list, size: int | None) -> list[list]:
+    size = size or len(workload)
+    return [workload[i:i + size] for i in range(0, len(workload), size)]
+
+
 def run_throughput(args: argparse.Namespace) -> None:
+    if args.repeats < 1:
+        raise ValueError(f"--repeats={args.repeats} must be >= 1")
+    sizes = parse_batch_sizes(args.batch_sizes)
     engine = build_engine(args)
     mc = engine.config.model_config
     workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, mc.vocab_size,
@@ -48,29 +76,55 @@ def run_throughput(args: argparse.Namespace) -> None:
     num_params = weights.params_per_token  # a mixture of experts: top-k experts per token
     in_tokens, out_tokens = sum(len(p) for p, _ in workload), sum(o for _, o in workload)
     active = f", {num_params / 1e9:.2f}B active per token" if weights.num_experts else ""
+    threads = f", {torch.get_num_threads()} threads" if engine.config.device.type == "cpu" else ""
     print(f"model {mc.model} ({mc.architecture}, {weights.params / 1e9:.2f}B params{active}, {mc.dtype}, "
-          f"{engine.config.device}); "
-          f"{len(workload)} prompts, {in_tokens} input and {out_tokens} output tokens; "
-          f"engine ready in {engine.startup_seconds:.1f} s", flush=True)
+          f"{engine.config.device}{threads}); {len(workload)} prompts, {in_tokens} input and {out_tokens} output "
+          f"tokens; engine ready in {engine.startup_seconds:.1f} s", flush=True)
     hf = hf_model_for(engine) if args.compare_hf else None  # the engine takes HF's weights: same model
     run_engine(engine, [(p[:8], 2) for p, _ in workload[:2]], show_progress=False)  # warm-up
-    engine.kv_cache_manager.reset_prefix_cache()
+    for size in sizes:
+        label = "" if size is None else f" (batch {size})"
+        surge_seconds = hf_seconds = float("inf")
+        for _ in range(args.repeats):  # in turn, so both sides see the same spells of load
+            seconds, outputs = _run_surge(engine, workload, size)
+            surge_seconds = min(surge_seconds, seconds)
+            if hf is not None:
+                seconds, hf_tokens, hf_out = _run_hf(hf, engine, workload, size or args.hf_batch_size)
+                hf_seconds = min(hf_seconds, seconds)
+        surge_rate = _report("surge" + label, surge_seconds, out_tokens, in_tokens, len(workload), num_params)
+        if hf is None:
+            continue
+        name = "hf generate_batch" if engine.config.device.type == "cuda" else "hf generate"
+        hf_rate = _report(name + label, hf_seconds, hf_out, in_tokens, len(workload), num_params)
+        same = sum(outputs[i] == t for i, t in enumerate(hf_tokens))
+        best = f", best of {args.repeats} runs each" if args.repeats > 1 else ""
+        print(f"ratio surge / hf{label}: {surge_rate / hf_rate:.2f}x output tok/s{best}; greedy outputs identical "
+              f"to HF: {same}/{len(workload)}", flush=True)
+
+
+def _run_surge(engine, workload, size: int | None) -> tuple[float, list[list[int]]]:
+    """Seconds and output tokens of the workload, in waves of `size` requests (all at once for None)."""
+    engine.kv_cache_manager.reset_prefix_cache()  # a repeat must not hit the prompts of the run before
     _sync(engine)
+    outputs: list[list[int]] = []
     start = time.perf_counter()
-    outputs = run_engine(engine, workload)
+    for wave in _waves(workload, size):
+        done = run_engine(engine, wave, show_progress=size is None)
+        outputs.extend(done[str(i)] for i in range(len(wave)))
     _sync(engine)
-    surge_rate = _report("surge", time.perf_counter() - start, out_tokens, in_tokens, len(workload), num_params)
-    if hf is None:
-        return
-    if engine.config.device.type == "cuda":
-        name, (hf_tokens, seconds, hf_out) = "hf generate_batch", _run_hf_continuous(hf, workload)
-    else:
-        name, (hf_tokens, seconds, hf_out) = "hf generate", _run_hf_static(hf, workload, args.hf_batch_size,
-                                                                           mc.eos_token_ids)
-    hf_rate = _report(name, seconds, hf_out, in_tokens, len(workload), num_params)
-    same = sum(outputs[str(i)] == t for i, t in enumerate(hf_tokens))
-    print(f"ratio surge / hf: {surge_rate / hf_rate:.2f}x output tok/s; greedy outputs identical to HF: "
-          f"{same}/{len(workload)}", flush=True)
+    return time.perf_counter() - start, outputs
+
+
+def _run_hf(model, engine, workload, size: int | None) -> tuple[float, list[list[int]], int]:
+    """HF's seconds, output tokens and their count: static batches of `size` on CPU, continuous waves on CUDA."""
+    if engine.config.device.type != "cuda":
+        tokens, seconds, count = _run_hf_static(model, workload, size, engine.config.model_config.eos_token_ids)
+        return seconds, tokens, count
+    tokens, seconds, count = [], 0.0, 0
+    for wave in _waves(workload, size):
+        wave_tokens, wave_seconds, wave_count = _run_hf_continuous(model, wave)
+        tokens, seconds, count = tokens + wave_tokens, seconds + wave_seconds, count + wave_count
+    return seconds, tokens, count
 
 
 def _sync(engine) -> None:

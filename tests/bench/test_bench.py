@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from surge.entrypoints.cli.main import main
 
 
@@ -12,6 +14,26 @@ def test_throughput_matches_hf_on_preset(capsys):
     out = capsys.readouterr().out
     assert re.search(r"surge: .* output tok/s", out)
     assert "greedy outputs identical to HF: 6/6" in out
+
+
+def test_throughput_prints_a_ratio_per_batch_size(capsys):
+    assert main(["bench", "throughput", "--preset", "tiny-llama", "--num-prompts", "3", "--input-len", "12",
+                 "--output-len", "5", "--compare-hf", "--batch-sizes", "3,1", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    for size in (3, 1):
+        assert re.search(rf"surge \(batch {size}\): .* output tok/s", out)
+        assert re.search(rf"hf generate \(batch {size}\): .* output tok/s", out)
+        assert re.search(rf"ratio surge / hf \(batch {size}\): [0-9.]+x output tok/s, best of 2 runs each; greedy "
+                         r"outputs identical to HF: 3/3", out)
+
+
+def test_throughput_refuses_bad_batch_sizes(capsys):
+    from surge.bench.throughput import parse_batch_sizes
+
+    assert parse_batch_sizes(None) == [None] and parse_batch_sizes("16,1") == [16, 1]
+    for bad in ("16,x", "0", ""):
+        with pytest.raises(ValueError, match="--batch-sizes"):
+            parse_batch_sizes(bad)
 
 
 def test_latency_reports_hardware_rates(capsys):
