@@ -389,6 +389,17 @@ def _parse_json_config(cls: type, name: str, value, required: tuple[str, ...], e
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """How the engine compiles structured-output grammars (surge/structured_output/)."""
+    # The reasoning markers of the model (a name in surge/structured_output/reasoning.py): a request's grammar
+    # starts after the closing one. None: from the first output token.
+    reasoning_parser: str | None = None
+    # The HF tokenizer directory the grammars are compiled against; None: the model's (a random-weight preset has
+    # none, so its benchmarks name one).
+    tokenizer: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -401,6 +412,7 @@ class EngineConfig:
     weight_cache_config: WeightCacheConfig = field(default_factory=WeightCacheConfig)
     kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.warmup_workers, int) and 1 <= self.warmup_workers <= 64):

@@ -16,7 +16,8 @@ import torch
 
 import surge.weight_cache.ipc_loader  # noqa: F401 (registers the weight_cache load format)
 from surge.config import (WEIGHT_CACHE_MODES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
-                          ParallelConfig, SchedulerConfig, SpeculativeConfig, WeightCacheConfig)
+                          ParallelConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
+                          WeightCacheConfig)
 from surge.model.loader.base import load_formats
 from surge.model.models.registry import MODEL_REGISTRY
 from surge.model.presets import PRESETS, preset_model_config
@@ -190,7 +191,14 @@ class EngineArgs:
             weight_cache_config=weight_cache_config,
             kv_transfer_config=self.create_kv_transfer_config(),
             speculative_config=self.create_speculative_config(model_config, device),
+            structured_outputs_config=self.create_structured_outputs_config(),
         )
+
+    def create_structured_outputs_config(self) -> StructuredOutputsConfig:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_MARKERS:
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is unknown; choose one of "
+                             f"{', '.join(sorted(REASONING_MARKERS))}")
+        return StructuredOutputsConfig(reasoning_parser=self.reasoning_parser)
 
     def create_speculative_config(self, target: ModelConfig, device: torch.device) -> SpeculativeConfig | None:
         if self.speculative_config is None:

@@ -16,9 +16,12 @@ from surge.core.request import Request, RequestStatus
 from surge.core.scheduler import Scheduler
 from surge.core.scheduler_output import SchedulerOutput
 from surge.distributed.lifecycle import freeze_startup_objects
+from surge.engine.input_processor import load_tokenizer
 from surge.kv_transfer.base import KVConnectorRole
 from surge.kv_transfer.factory import create_connector
 from surge.spec_decode.ngram import NgramProposer
+from surge.structured_output.manager import StructuredOutputManager
+from surge.structured_output.reasoning import REASONING_MARKERS
 from surge.logger import init_logger
 from surge.worker.executor import StepHandle, create_executor
 from surge.worker.model_runner import ModelRunnerOutput
@@ -79,6 +82,7 @@ class EngineCore:
         # n-gram drafts are looked up here; a draft model's come with each step's output.
         self.proposer = NgramProposer(sc) if sc is not None and sc.method == "ngram" else None
         self.speculates = sc is not None
+        self.structured_output = _structured_output_manager(config)
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._first_scheduled: dict[str, float] = {}  # request id -> when first scheduled, until its first output
@@ -97,16 +101,21 @@ class EngineCore:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        grammar = self.structured_output.compile(request.prompt_token_ids, request.params)  # ValueError if rejected
         self.scheduler.add_request(request)
+        if grammar is not None:
+            self.structured_output.add(request.request_id, grammar)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        self.structured_output.remove(request_ids)
         for rid in request_ids:
             self._first_scheduled.pop(rid, None)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         for rid in request_ids:
             self.scheduler.finish_request(rid, status)
+        self.structured_output.remove(request_ids)
 
     def shutdown(self) -> None:
         """Stop worker ranks, if any (also done at exit, or when the engine is collected), and the connector."""
@@ -149,7 +158,7 @@ class EngineCore:
             if self._in_flight is not None:
                 return outputs + self._finish_in_flight()
             if self.scheduler.has_connector_work():  # a step for the connector alone: start loads, hear back
-                result = self.executor.execute(sched_out)
+                result = self._execute(sched_out)
                 if not result.kv_connector_output or not (result.kv_connector_output.finished_recving
                                                           or result.kv_connector_output.finished_sending):
                     time.sleep(0.001)  # nothing arrived: do not spin the host while a load runs
@@ -158,9 +167,18 @@ class EngineCore:
                 raise RuntimeError("the scheduler could not schedule any waiting request; the KV cache is too small")
             return outputs
         if not overlap:
-            return outputs + self._process(sched_out, self.executor.execute(sched_out))
+            sched_out.grammar_bitmask = self.structured_output.bitmask(sched_out)
+            return outputs + self._process(sched_out, self._execute(sched_out))
+        # A constrained request whose previous token is still in flight needs it for its mask: this step launches
+        # once that token is on the host (scheduled already, so only the mask's fill and the launch wait).
+        previous = None
+        if self._in_flight is not None and self.structured_output.waits_for(self._in_flight[0], sched_out):
+            previous = self._take_in_flight()
+        sched_out.grammar_bitmask = self.structured_output.bitmask(sched_out)
         launched = self.executor.execute_async(sched_out)
-        if self._in_flight is not None:
+        if previous is not None:
+            outputs = self._process(*previous)
+        elif self._in_flight is not None:
             outputs = self._finish_in_flight()
         self._in_flight = (sched_out, launched)
         return outputs
@@ -179,11 +197,21 @@ class EngineCore:
             else:
                 req.spec_token_ids = drafted.get(req.request_id, [])[:left if left is None else max(left, 0)]
 
+    def _execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        result = self.executor.execute(sched_out)
+        self.structured_output.advance(result.sampled)
+        return result
 
-    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+    def _take_in_flight(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """Wait for the step in flight; its tokens advance the grammars at once (the next masks depend on them)."""
         sched_out, launched = self._in_flight
         self._in_flight = None
-        return self._process(sched_out, launched.result())
+        result = launched.result()
+        self.structured_output.advance(result.sampled)
+        return sched_out, result
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        return self._process(*self._take_in_flight())
 
     def _process(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         # Requests still known before the update (a finished one is dropped from the scheduler by it).
@@ -194,6 +222,7 @@ class EngineCore:
         if self.speculates:
             self._propose((req for req, _ in progressed.values()), result.draft_token_ids)
         outputs = []
+        self.structured_output.remove([rid for rid, req in live.items() if req.is_finished])
         for rid, req in live.items():
             prompt_lp = result.prompt_logprobs.get(rid)
             tokens = progressed[rid][1] if rid in progressed else None
@@ -212,3 +241,12 @@ class EngineCore:
                 else None,
                 kv_transfer_params=req.kv_transfer_params if req.is_finished else None))
         return outputs
+
+
+def _structured_output_manager(config: EngineConfig) -> StructuredOutputManager:
+    """Grammars against the model's tokenizer (or the one the config names), loaded on the first constrained
+    request; with a reasoning parser, each grammar starts after the model's closing marker."""
+    so, mc = config.structured_outputs_config, config.model_config
+    markers = REASONING_MARKERS[so.reasoning_parser] if so.reasoning_parser is not None else None
+    return StructuredOutputManager(lambda: load_tokenizer(so.tokenizer or mc.model), mc.vocab_size,
+                                   mc.eos_token_ids, markers)

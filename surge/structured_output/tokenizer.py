@@ -28,7 +28,10 @@ def ll_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) 
     if not eos:
         raise ValueError("structured output needs an EOS token to end a finished grammar with, and neither the "
                          "model's generation config nor its tokenizer names one")
-    n_vocab = max(vocab_size, len(hf_tokenizer))
+    if len(hf_tokenizer) > vocab_size:  # a mask could then allow only ids the model has no logits for
+        raise ValueError(f"the tokenizer has {len(hf_tokenizer)} tokens, more than the model's vocab_size="
+                         f"{vocab_size}: structured output needs the model's own tokenizer")
+    n_vocab = vocab_size
     try:
         return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
     except ValueError as e:

@@ -12,14 +12,16 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import torch
 
 from surge.attention.backend import AttentionMetadata, AttentionShapes, default_backend_name, get_backend
 from surge.config import EngineConfig
 from surge.core.kv_cache.spec import KVCacheConfig, KVCacheGroup, build_kv_cache_groups
 from surge.core.kv_connector import KVConnectorOutput
-from surge.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from surge.core.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from surge.distributed.parallel_state import get_tp_group
+from surge.kernels.token_bitmask import apply_token_bitmask_
 from surge.kv_transfer.base import KVConnectorRole
 from surge.kv_transfer.factory import create_connector
 from surge.logger import init_logger
@@ -83,6 +85,7 @@ class StepBatch:
     meta: list[AttentionMetadata]  # one per KV cache group
     sample_idx: list[int]  # token index of each sampling request's last position, in step order
     sample_states: list[CachedRequestState]
+    grammar_bitmask: GrammarBitmask | None = None  # structured output: the allowed tokens of constrained rows
 
 
 class ModelRunner:
@@ -198,6 +201,7 @@ class ModelRunner:
             connector.start_load_kv(out.kv_connector_metadata)  # synchronous loads land before the forward
         if not out.is_empty:
             batch = self.prepare_inputs(out.scheduled, states)
+            batch.grammar_bitmask = out.grammar_bitmask
             hidden = self.forward(batch)
             self.compute_prompt_logprobs(batch, hidden, pending)
             self.sample(batch, hidden, pending)
@@ -268,6 +272,8 @@ class ModelRunner:
         rows_hidden = hidden if len(idx) == hidden.shape[0] else hidden[device_tensor(idx, self.device, torch.long)]
         logits = self.model.compute_logits(rows_hidden)  # None on ranks other than 0
         sample_ids = [req.request_id for req in batch.sample_states]
+        if logits is not None and batch.grammar_bitmask is not None:
+            _apply_grammar(logits, batch.grammar_bitmask, sample_ids)
         if logits is not None:
             sampler_out = self.sampler(logits, [self._sampling_row(s, req) for s, req in
                                                 zip(batch.scheduled, batch.states)
@@ -320,6 +326,19 @@ class ModelRunner:
                                "host; the engine must not schedule it ahead of them")
         return SamplingRow(p, req.prompt_token_ids, req.output_token_ids if history else [], req.generator,
                            num_generated)
+
+
+def _apply_grammar(logits: torch.Tensor, mask: GrammarBitmask, sample_ids: list[str]) -> None:
+    """Disallowed tokens of the constrained rows to -inf, before the sampler and logprobs read the logits."""
+    row_of = {rid: j for j, rid in enumerate(sample_ids)}
+    words = torch.from_numpy(np.frombuffer(mask.bitmask, dtype="<i4").reshape(len(mask.request_ids),
+                                                                              mask.num_words).copy())
+    if logits.device.type == "cuda":
+        words = words.pin_memory().to(logits.device, non_blocking=True)
+    rows = None
+    if mask.request_ids != sample_ids:
+        rows = device_tensor([row_of[rid] for rid in mask.request_ids], logits.device, torch.long)
+    apply_token_bitmask_(logits, words, rows)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

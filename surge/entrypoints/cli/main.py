@@ -105,6 +105,12 @@ def cmd_bench_prefix_reuse(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_structured(args: argparse.Namespace) -> int:
+    from surge.bench.structured import run_structured
+    run_structured(args)
+    return 0
+
+
 def cmd_weight_cache_serve(args: argparse.Namespace) -> int:
     from surge.weight_cache.launcher import serve
     engine_args = EngineArgs.from_cli_args(args)
@@ -198,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p)
     add_prefix_reuse_args(p)
     p.set_defaults(func=cmd_bench_prefix_reuse)
+    from surge.bench.structured import add_structured_args
+    p = bench.add_parser("structured", help="the cost of grammar masks: batch decode with and without a JSON "
+                         "schema in one run, per output token and their ratio")
+    EngineArgs.add_cli_args(p)
+    add_structured_args(p)
+    p.set_defaults(func=cmd_bench_structured)
     from surge.bench.serve import add_serve_bench_args
     p = bench.add_parser("serve", help="online benchmark against any OpenAI-compatible server")
     add_serve_bench_args(p)

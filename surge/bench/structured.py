@@ -1,0 +1,144 @@
+"""`surge bench structured`: the cost of grammar masks. One engine, one batch of random-token prompts, decoded twice
+in the same run: unconstrained, then with every request under one JSON schema; per-output-token time of each, their
+ratio, and the host's mask work per step (advancing the matchers, filling the bitmask).
+
+The schema has more required fields than the output has tokens, so no request can finish its grammar (or be ended
+by EOS) early: both runs decode exactly --output-len tokens per request at a constant batch.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+
+from surge.bench.common import add_model_args, make_workload
+from surge.core.request import Request
+from surge.engine.args import EngineArgs
+from surge.engine.core import EngineCore
+from surge.sampling_params import SamplingParams, StructuredOutputsParams
+
+_NUM_FIELDS = 128  # > output_len / 2 for the default 256: the object cannot be closed within the output
+
+
+def bench_schema(num_fields: int = _NUM_FIELDS) -> dict:
+    """An object of num_fields required fields cycling through bounded strings, enums, integers, arrays and nested
+    objects: the mask is computed in every kind of lexer and parser state, never in a trivially long string."""
+    kinds = [{"type": "string", "maxLength": 8}, {"enum": ["red", "green", "blue", "cyan"]},
+             {"type": "integer", "minimum": 0, "maximum": 9999},
+             {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+             {"type": "object", "properties": {"ok": {"type": "boolean"}, "id": {"type": "integer"}},
+              "required": ["ok", "id"], "additionalProperties": False}]
+    props = {f"field_{i}": kinds[i % len(kinds)] for i in range(num_fields)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def add_structured_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--batch-size", type=int, default=64)
+    g.add_argument("--input-len", type=int, default=128)
+    g.add_argument("--output-len", type=int, default=256)
+    g.add_argument("--repeats", type=int, default=2, help="timed runs per case (the best is reported)")
+    g.add_argument("--tokenizer", default=None, help="HF tokenizer directory the grammar is compiled against "
+                   "(default: the model's; for a preset, which has none, the default model's, its ids padded to the "
+                   "preset's vocabulary)")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class _MaskTimer:
+    """Wall seconds in the manager's per-step work (advance + bitmask) and steps that waited for a token."""
+
+    def __init__(self, manager) -> None:
+        self.seconds, self.steps, self.waits = 0.0, 0, 0
+        for name in ("advance", "bitmask", "waits_for"):
+            inner = getattr(manager, name)
+            setattr(manager, name, self._wrap(name, inner))
+
+    def _wrap(self, name, inner):
+        def timed(*a):
+            start = time.perf_counter()
+            result = inner(*a)
+            if name == "waits_for":
+                self.waits += bool(result)
+            else:
+                self.seconds += time.perf_counter() - start
+                self.steps += name == "bitmask" and result is not None
+            return result
+        return timed
+
+
+def _run(engine: EngineCore, workload, params: SamplingParams) -> tuple[float, dict[str, int]]:
+    block = engine.config.cache_config.block_size
+    for i, (prompt, out_len) in enumerate(workload):
+        p = params.clone(max_tokens=out_len, min_tokens=out_len, _eos_token_ids=engine.config.model_config.eos_token_ids)
+        engine.add_request(Request(str(i), prompt, p, block))
+    counts = {str(i): 0 for i in range(len(workload))}
+    _sync(engine.config.device)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            counts[o.request_id] += len(o.new_token_ids)
+    _sync(engine.config.device)
+    return time.perf_counter() - start, counts
+
+
+def _tpot(engine: EngineCore, workload, params: SamplingParams, repeats: int) -> float:
+    """(decode of output_len tokens - the prefill alone) / (output_len - 1), each the best of `repeats`."""
+    out_len = workload[0][1]
+    best = {}
+    for n in (1, out_len):
+        times = []
+        for _ in range(repeats):
+            engine.kv_cache_manager.reset_prefix_cache()
+            seconds, counts = _run(engine, [(p, n) for p, _ in workload], params)
+            assert all(c == n for c in counts.values()), f"outputs of {sorted(set(counts.values()))} tokens, not {n}"
+            times.append(seconds)
+        best[n] = min(times)
+    return (best[out_len] - best[1]) / max(out_len - 1, 1)
+
+
+def _engine(args: argparse.Namespace) -> EngineCore:
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.preset:
+        engine_args = dataclasses.replace(engine_args, load_format="dummy")
+    config = engine_args.create_engine_config()
+    tokenizer = args.tokenizer
+    if tokenizer is None and engine_args.preset:
+        from surge.model.loader.default_model import default_model_path
+        tokenizer = str(default_model_path())
+    config = dataclasses.replace(config, structured_outputs_config=dataclasses.replace(
+        config.structured_outputs_config, tokenizer=tokenizer))
+    return EngineCore(config)
+
+
+def run_structured(args: argparse.Namespace) -> None:
+    if args.output_len < 2 or args.output_len >= 2 * _NUM_FIELDS:
+        raise ValueError(f"output_len={args.output_len} must be in [2, {2 * _NUM_FIELDS}) so that no request can "
+                         "complete the benchmark's schema early")
+    engine = _engine(args)
+    mc = engine.config.model_config
+    so = engine.config.structured_outputs_config
+    workload = make_workload(args.batch_size, args.input_len, args.output_len, 0.0, mc.vocab_size, 0)
+    plain = SamplingParams(temperature=0, ignore_eos=True)
+    constrained = plain.clone(structured_outputs=StructuredOutputsParams(json=bench_schema()))
+    _run(engine, make_workload(2, 16, 4, 0, mc.vocab_size, 1), constrained)  # warm-up, and the tokenizer bridge
+    vocab = engine.structured_output.tokenizer.vocab_size
+    print(f"model {mc.model} ({mc.dtype}, {engine.config.device}), grammar tokenizer {so.tokenizer or mc.model} "
+          f"({vocab} ids, masks of {engine.structured_output.num_words} words), "
+          f"{'async' if engine.async_scheduling else 'sync'} scheduling; batch {args.batch_size}, in "
+          f"{args.input_len}, out {args.output_len}, JSON schema of {_NUM_FIELDS} required fields", flush=True)
+    base = _tpot(engine, workload, plain, args.repeats)
+    timer = _MaskTimer(engine.structured_output)
+    masked = _tpot(engine, workload, constrained, args.repeats)
+    per_step = timer.seconds / max(timer.steps, 1)
+    print(f"unconstrained: {base * 1e3:8.3f} ms per output token step ({args.batch_size / base:9.1f} tok/s)\n"
+          f"JSON schema:   {masked * 1e3:8.3f} ms per output token step ({args.batch_size / masked:9.1f} tok/s); "
+          f"host mask work {per_step * 1e3:.3f} ms per step (advance + fill, {timer.steps} steps, "
+          f"{timer.waits} waited for the token in flight)\n"
+          f"ratio {masked / base:.3f}x (target <= 1.05x)", flush=True)
