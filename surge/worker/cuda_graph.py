@@ -4,8 +4,8 @@ chunks, with or without decodes), all sharing one memory pool.
 A decode step with n requests replays the smallest graph of size >= n, its extra rows padded into the null block.
 A mixed step of t tokens replays the smallest mixed graph of >= t tokens, shaped for max_num_seqs requests: its
 padding tokens belong to no request and its padding requests have no tokens (StepInputs.pad_mixed). Such steps
-are short on the device (a follow-up turn on a long cached prefix, a short prompt) and were bound by the host launching ~10 kernels per layer one by one; as a graph they launch once.
-The attention kernel reads every length from device memory and sizes its grid by token and request capacity, so
+are short on the device (a follow-up turn on a long cached prefix, a short prompt) and were bound by the host
+launching ~10 kernels per layer one by one; as a graph they launch once. The attention kernel reads every length from device memory and sizes its grid by token and request capacity, so
 one capture serves every layout. Graphs capture views of StepInputs' persistent buffers, so a replay only needs
 those buffers filled.
 """

@@ -111,8 +111,10 @@ def test_stop_conditions(model_dir):
 def test_max_tokens_zero_scores_the_prompt_only(model_dir, async_scheduling):
     """max_tokens=0: the prompt's logprobs (HF's), nothing generated; prompts longer than a step's budget take
     several chunks, beside requests that do generate."""
-    llm = LLM(model_dir, block_size=4, kv_cache_memory=1 << 22, max_model_len=128, max_num_batched_tokens=16,
-              async_scheduling=async_scheduling)
+    # float32 on every device: the logprobs are compared with HF's float32 ones to 1e-4 (bf16 on a GPU would round
+    # differently with every GEMM shape, e.g. a CUDA graph's padded one).
+    llm = LLM(model_dir, dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_model_len=128,
+              max_num_batched_tokens=16, async_scheduling=async_scheduling)
     prompts = _prompts()
     scoring = SamplingParams(max_tokens=0, prompt_logprobs=1)
     outs = llm.generate(prompts, [scoring if i % 3 else GREEDY for i in range(len(prompts))], use_tqdm=False)
