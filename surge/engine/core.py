@@ -83,6 +83,13 @@ class EngineCore:
         self.proposer = NgramProposer(sc) if sc is not None and sc.method == "ngram" else None
         self.speculates = sc is not None
         self.structured_output = _structured_output_manager(config)
+        # In-process runner: it asks for the step's masks after launching the forward, so they are filled (and the
+        # token in flight awaited) while the device runs it. Worker ranks get them in the step message instead.
+        self._previous: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        runner = getattr(self.executor, "runner", None)
+        self._masks_deferred = runner is not None
+        if runner is not None:
+            runner.grammar_bitmask_source = self._grammar_bitmask
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._first_scheduled: dict[str, float] = {}  # request id -> when first scheduled, until its first output
@@ -167,15 +174,13 @@ class EngineCore:
                 raise RuntimeError("the scheduler could not schedule any waiting request; the KV cache is too small")
             return outputs
         if not overlap:
-            sched_out.grammar_bitmask = self.structured_output.bitmask(sched_out)
+            if not self._masks_deferred:
+                sched_out.grammar_bitmask = self.structured_output.bitmask(sched_out)
             return outputs + self._process(sched_out, self._execute(sched_out))
-        # A constrained request whose previous token is still in flight needs it for its mask: this step launches
-        # once that token is on the host (scheduled already, so only the mask's fill and the launch wait).
-        previous = None
-        if self._in_flight is not None and self.structured_output.waits_for(self._in_flight[0], sched_out):
-            previous = self._take_in_flight()
-        sched_out.grammar_bitmask = self.structured_output.bitmask(sched_out)
+        if not self._masks_deferred:  # worker ranks: the masks travel in the step message
+            sched_out.grammar_bitmask = self._grammar_bitmask(sched_out)
         launched = self.executor.execute_async(sched_out)
+        previous, self._previous = self._previous, None
         if previous is not None:
             outputs = self._process(*previous)
         elif self._in_flight is not None:
@@ -196,6 +201,14 @@ class EngineCore:
                 req.spec_token_ids = self.proposer.propose(req.token_ids, left)
             else:
                 req.spec_token_ids = drafted.get(req.request_id, [])[:left if left is None else max(left, 0)]
+
+    def _grammar_bitmask(self, sched_out: SchedulerOutput):
+        """The step's masks. A constrained request whose previous token is still in flight (async scheduling) needs
+        that token first: the step in flight is awaited here, its tokens advance the grammars, and step() processes
+        its outputs after launching this one."""
+        if self._in_flight is not None and self.structured_output.waits_for(self._in_flight[0], sched_out):
+            self._previous = self._take_in_flight()
+        return self.structured_output.bitmask(sched_out)
 
     def _execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         result = self.executor.execute(sched_out)

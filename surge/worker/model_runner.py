@@ -9,6 +9,7 @@ step on the device (async scheduling).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -86,6 +87,7 @@ class StepBatch:
     sample_idx: list[int]  # token index of each sampling request's last position, in step order
     sample_states: list[CachedRequestState]
     grammar_bitmask: GrammarBitmask | None = None  # structured output: the allowed tokens of constrained rows
+    grammar_source: Callable[[], GrammarBitmask | None] | None = None  # or where to ask for them, at sampling
 
 
 class ModelRunner:
@@ -116,6 +118,9 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
         self.requests = RequestStates(len(self.kv_cache_config.groups), self.device)
+        # Structured output, in-process only: called with the step message once its forward is launched, returns
+        # the masks (filled while the device runs it); None: they come in the message.
+        self.grammar_bitmask_source: Callable[[SchedulerOutput], GrammarBitmask | None] | None = None
         cc, sc = config.cache_config, config.scheduler_config
         self.inputs = StepInputs(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs,
                                  -(-mc.max_model_len // cc.block_size), len(self.kv_cache_config.groups),
@@ -202,6 +207,7 @@ class ModelRunner:
         if not out.is_empty:
             batch = self.prepare_inputs(out.scheduled, states)
             batch.grammar_bitmask = out.grammar_bitmask
+            batch.grammar_source = self.grammar_bitmask_source and (lambda: self.grammar_bitmask_source(out))
             hidden = self.forward(batch)
             self.compute_prompt_logprobs(batch, hidden, pending)
             self.sample(batch, hidden, pending)
@@ -272,6 +278,8 @@ class ModelRunner:
         rows_hidden = hidden if len(idx) == hidden.shape[0] else hidden[device_tensor(idx, self.device, torch.long)]
         logits = self.model.compute_logits(rows_hidden)  # None on ranks other than 0
         sample_ids = [req.request_id for req in batch.sample_states]
+        if batch.grammar_source is not None:  # the forward and the logits are queued: the host fills masks now
+            batch.grammar_bitmask = batch.grammar_source()
         if logits is not None and batch.grammar_bitmask is not None:
             _apply_grammar(logits, batch.grammar_bitmask, sample_ids)
         if logits is not None:
