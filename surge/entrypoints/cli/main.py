@@ -111,6 +111,17 @@ def cmd_bench_structured(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_proxy(args: argparse.Namespace) -> int:
+    from surge.bench.proxy import cli
+    return cli(args)
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from surge.disagg.proxy import run_proxy
+    run_proxy(args.prefill, args.decode, args.host, args.port, timeout_s=args.timeout, log_level=args.log_level)
+    return 0
+
+
 def cmd_weight_cache_serve(args: argparse.Namespace) -> int:
     from surge.weight_cache.launcher import serve
     engine_args = EngineArgs.from_cli_args(args)
@@ -214,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("serve", help="online benchmark against any OpenAI-compatible server")
     add_serve_bench_args(p)
     p.set_defaults(func=cmd_bench_serve)
+    from surge.bench.proxy import add_proxy_bench_args
+    p = bench.add_parser("proxy", help="the disaggregation proxy's requests/s and added latency against stub "
+                         "upstreams, beside a proxy that parses and re-encodes every body")
+    add_proxy_bench_args(p)
+    p.set_defaults(func=cmd_bench_proxy)
 
     weight_cache = sub.add_parser("weight-cache", help="Fast Start: daemons that keep loaded weights for new "
                                   "engines").add_subparsers(dest="weight_cache_command", required=True)
@@ -237,6 +253,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--segment-gib", type=float, default=4.0, help="KV memory the store holds, in GiB")
     p.add_argument("--log-dir", default=None, help="where the store's processes log (default: a new temp dir)")
     p.set_defaults(func=cmd_kv_store_serve)
+
+    p = sub.add_parser("proxy", help="prefill/decode disaggregation: an OpenAI-compatible front that sends each "
+                       "request's prefill leg to a prefill instance and its decode leg to a decode instance")
+    p.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL",
+                   help="prefill instances (surge serve with a kv_producer MooncakeTransferConnector)")
+    p.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL",
+                   help="decode instances (surge serve with a kv_consumer MooncakeTransferConnector)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds an instance may take to answer a leg")
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=cmd_proxy)
     return parser
 
 
