@@ -4,6 +4,9 @@ and Responses, streamed or not, it sends the prefill leg (max_tokens=1, no strea
 the decode leg (the client's body with the returned kv_transfer_params) to a decode instance, and relays that
 instance's response bytes untouched, SSE chunk by chunk.
 
+Without --prefill it is a plain balancer over the --decode instances (each request served whole by one), the
+co-located baseline of a disaggregated deployment.
+
 An instance that cannot be reached, or answers 5xx, before any byte reached the client: the leg is retried once on
 another instance of its kind, then the client gets an OpenAI-shaped 503. A decode instance lost mid-stream: the
 stream ends with an error event. A client that disconnects: both legs' connections close, so each instance aborts
@@ -82,11 +85,14 @@ class ProxyMetrics:
 
 class Proxy:
     def __init__(self, prefill: list[str], decode: list[str], codec=None, timeout_s: float = 600.0) -> None:
-        self.prefill, self.decode = Pool("prefill", prefill), Pool("decode", decode)
+        # No prefill instance: a plain balancer, each request served whole by one instance (the co-located
+        # baseline a disaggregated deployment is measured against).
+        self.prefill = Pool("prefill", prefill) if prefill else None
+        self.decode = Pool("decode", decode)
         self.codec = codec if codec is not None else RawBodies()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-        self.metrics = ProxyMetrics([self.prefill, self.decode])
+        self.metrics = ProxyMetrics([p for p in (self.prefill, self.decode) if p is not None])
         self._models: bytes | None = None
         routes = [Route(path, self._handler(path, api), methods=["POST"]) for path, api in APIS.items()]
         routes += [Route("/health", self.health, methods=["GET"]), Route("/metrics", self.render_metrics),
@@ -121,14 +127,18 @@ class Proxy:
             return error_response(400, f"the request body must be a JSON object: {e}", "invalid_request_error")
         headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
         decode_body = body
-        if route.split:
+        if route.split and self.prefill is not None:
             start = time.perf_counter()
             prefill_body = self.codec.prefill_body(route, api, uuid.uuid4().hex)
             _, answer = await self._until_disconnect(request, self._send(self.prefill, path, prefill_body, headers))
             self.metrics.prefill_seconds.observe(time.perf_counter() - start)
             if answer.status_code != 200:  # the client's mistake (4xx): its answer, as the instance gave it
                 return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
-            params = self.codec.transfer_params(answer.content)
+            try:
+                params = self.codec.transfer_params(answer.content)
+            except (msgspec.DecodeError, ValueError, TypeError) as e:  # then the decode instance computes it all
+                logger.warning("a prefill answer without readable kv_transfer_params (%s)", e)
+                params = None
             if params is not None:
                 decode_body = self.codec.decode_body(route, params)
         if not route.stream:
@@ -224,12 +234,12 @@ class Proxy:
                 return (await self.client.get(inst.url + "/health", timeout=2.0)).status_code == 200
             except httpx.HTTPError:
                 return False
-        states = {pool.role: await asyncio.gather(*(up(i) for i in pool.instances))
-                  for pool in (self.prefill, self.decode)}
-        ok = all(any(s) for s in states.values())
-        return Response(msgspec.json.encode({"status": "ok" if ok else "unavailable", **{
-            role: dict(zip([i.url for i in pool.instances], s)) for (role, s), pool in
-            zip(states.items(), (self.prefill, self.decode))}}), 200 if ok else 503, media_type="application/json")
+        pools = [p for p in (self.prefill, self.decode) if p is not None]
+        states = [await asyncio.gather(*(up(i) for i in pool.instances)) for pool in pools]
+        ok = all(any(s) for s in states)
+        report = {pool.role: dict(zip([i.url for i in pool.instances], s)) for pool, s in zip(pools, states)}
+        return Response(msgspec.json.encode({"status": "ok" if ok else "unavailable", **report}),
+                        200 if ok else 503, media_type="application/json")
 
     async def render_metrics(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -268,5 +278,6 @@ def run_proxy(prefill: list[str], decode: list[str], host: str, port: int, timeo
         raise ValueError(f"--port={port} must be in [1, 65535]")
     proxy = Proxy(prefill, decode, timeout_s=timeout_s)
     logger.info("surge proxy on http://%s:%d: prefill %s, decode %s", host, port,
-                [i.url for i in proxy.prefill.instances], [i.url for i in proxy.decode.instances])
+                [i.url for i in proxy.prefill.instances] if proxy.prefill else "none (plain balancing)",
+                [i.url for i in proxy.decode.instances])
     uvicorn.run(proxy.app, host=host, port=port, log_level=log_level, access_log=False)

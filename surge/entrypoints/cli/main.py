@@ -256,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("proxy", help="prefill/decode disaggregation: an OpenAI-compatible front that sends each "
                        "request's prefill leg to a prefill instance and its decode leg to a decode instance")
-    p.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL",
-                   help="prefill instances (surge serve with a kv_producer MooncakeTransferConnector)")
+    p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
+                   help="prefill instances (surge serve with a kv_producer MooncakeTransferConnector); none: "
+                   "plain least-outstanding balancing over the --decode instances")
     p.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL",
                    help="decode instances (surge serve with a kv_consumer MooncakeTransferConnector)")
     p.add_argument("--host", default="127.0.0.1")
