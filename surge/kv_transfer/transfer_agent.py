@@ -1,5 +1,10 @@
 """One engine's Mooncake transfer engine for prefill -> decode KV transfer: the KV cache tensors registered where
-they lie (no staging copy), remote blocks read by address, and a notification to the peer when a read completes.
+they lie, remote blocks read by address, and a notification to the peer when a read completes.
+
+A KV cache in device memory that the installed Mooncake build cannot register (the -non-cuda wheel) goes through a
+staging cache instead: host memory in the KV cache's own layout with fewer blocks ("slots"), where a prefill engine
+copies a finished request's blocks (one copy per layer) and a decode engine receives them before copying them to
+its device (in stream order, on the step's thread). Peers cannot tell: they read blocks, or slots, by address.
 
 Mooncake's TransferEngine (TCP here and in CI, RDMA where the hardware has it) does the moving, the handshake
 (P2PHANDSHAKE: peers are named host:port, no metadata server) and the notifications; Surge only says which byte
@@ -72,6 +77,9 @@ class TransferAgent:
         self._scratch = self._own(_SCRATCH_BYTES)
         self._scratch_lock = threading.Lock()
         self._layouts: dict[str, EngineLayout] = {}  # peer session -> its layout
+        self.staging: list[torch.Tensor] | None = None  # per layer [2, slots, block_size, heads, head_dim]
+        self._free_runs: list[tuple[int, int]] = []  # free slots of the staging cache: (first, count), sorted
+        self._slots_lock = threading.Lock()
         self.layout: EngineLayout | None = None
         self.layout_region: tuple[int, int] = (0, 0)  # (address, bytes) of this engine's encoded layout
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -90,14 +98,19 @@ class TransferAgent:
             raise RuntimeError(f"Mooncake register_memory({nbytes} bytes) returned {rc}")
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], group_of_layer: list[int], layout_digest: str,
-                           num_groups: int) -> None:
-        """Register every layer's cache in place and publish the layout descriptor."""
+                           num_groups: int, staging_bytes: int | None = None) -> None:
+        """Register every layer's cache in place (or, with staging_bytes, a staging cache of that size) and publish
+        the layout descriptor of what peers read."""
+        self.kv_caches = kv_caches
+        if staging_bytes is not None:
+            kv_caches = self._make_staging(kv_caches, staging_bytes)
         layers, block_bytes = [], [0] * num_groups
         for cache, group_id in zip(kv_caches, group_of_layer, strict=True):
             if not cache.is_contiguous():
                 raise ValueError("MooncakeTransferConnector needs contiguous KV cache tensors")
             size = cache.element_size()
-            self._register(cache.data_ptr(), cache.numel() * size)
+            if staging_bytes is None:
+                self._register(cache.data_ptr(), cache.numel() * size)
             block_bytes[group_id] = cache[0, 0].numel() * size
             layers.append(LayerRegion(group_id, (cache[0].data_ptr(), cache[1].data_ptr()), cache.stride(1) * size))
         self.layout = EngineLayout(self.engine_id, layout_digest, block_bytes, layers)
@@ -107,6 +120,76 @@ class TransferAgent:
         region = self._own(len(encoded))
         region.copy_(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
         self.layout_region = (region.data_ptr(), len(encoded))
+
+    def _make_staging(self, kv_caches: list[torch.Tensor], nbytes: int) -> list[torch.Tensor]:
+        per_slot = sum(c[:, 0].numel() * c.element_size() for c in kv_caches)
+        num_slots = nbytes // per_slot
+        if num_slots < 2:
+            raise ValueError(f"MooncakeTransferConnector: staging_gib={nbytes / 2**30:g} holds no block "
+                             f"({per_slot} bytes with every layer); raise it")
+        pin = kv_caches[0].device.type == "cuda"
+        buf = torch.empty(num_slots * per_slot, dtype=torch.uint8, pin_memory=pin)
+        self._register(buf.data_ptr(), buf.numel())
+        self._keep.append(buf)
+        self.staging, offset = [], 0
+        for c in kv_caches:
+            n = c[:, 0].numel() * c.element_size() * num_slots
+            view = buf[offset:offset + n].view(c.dtype).view(2, num_slots, *c.shape[2:])
+            self.staging.append(view)
+            offset += n
+        self._free_runs = [(1, num_slots - 1)]  # slot 0 unused: id 0 means "no block" in block lists
+        logger.info("KV transfer: %d staging slots (%.2f GiB of %shost memory) for a KV cache on %s", num_slots,
+                    buf.numel() / 2**30, "pinned " if pin else "", kv_caches[0].device)
+        return self.staging
+
+    # ---- the staging cache ----
+    def take_slots(self, n: int) -> int | None:
+        """The first of n consecutive free slots (consecutive: one copy, one range per layer), or None."""
+        with self._slots_lock:
+            for i, (first, count) in enumerate(self._free_runs):
+                if count >= n:
+                    self._free_runs[i] = (first + n, count - n)
+                    if count == n:
+                        del self._free_runs[i]
+                    return first
+        return None
+
+    def give_back_slots(self, first: int, n: int) -> None:
+        with self._slots_lock:
+            runs = sorted([*self._free_runs, (first, n)])
+            merged = [runs[0]]
+            for start, count in runs[1:]:
+                if start == merged[-1][0] + merged[-1][1]:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + count)
+                else:
+                    merged.append((start, count))
+            self._free_runs = merged
+
+    def stage_out(self, block_ids: list[list[int]], group_of_layer: list[int], groups: list[int], first: int) -> None:
+        """Blocks (per group) of the KV cache into slots first, first + 1, ...; complete when it returns."""
+        device = self.kv_caches[0].device
+        ids = {g: torch.tensor(block_ids[j], device=device) for j, g in enumerate(groups)}
+        for cache, stage, g in zip(self.kv_caches, self.staging, group_of_layer, strict=True):
+            if g in ids:
+                stage[:, first:first + len(block_ids[groups.index(g)])].copy_(cache[:, ids[g]])
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # after this step's writes; before any peer reads
+
+    def stage_in(self, first: int, block_ids: list[list[int]], group_of_layer: list[int],
+                 groups: list[int]) -> torch.cuda.Event | None:
+        """Slots first, first + 1, ... into the KV cache's blocks (per group), queued in stream order; the event
+        says when the slots may be reused (None: already)."""
+        device = self.kv_caches[0].device
+        ids = {g: torch.tensor(block_ids[j], device=device) for j, g in enumerate(groups)}
+        for cache, stage, g in zip(self.kv_caches, self.staging, group_of_layer, strict=True):
+            if g in ids:
+                n = len(block_ids[groups.index(g)])
+                cache.index_copy_(1, ids[g], stage[:, first:first + n].to(device, non_blocking=True))
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     # ---- the agent's thread ----
     def _serve(self) -> None:

@@ -42,14 +42,25 @@ class TransferSettings:
     hostname: str = "127.0.0.1"  # the address this engine's transfer engine publishes
     timeout_s: float = 30.0  # prefill side: a finished request's blocks are freed by then if nobody read them
     engine_id: str | None = None  # default: a fresh one per engine
+    # Through a host staging cache of this size (per engine) instead of the KV cache itself: None, when the KV
+    # cache is not in host memory (the -non-cuda Mooncake build cannot register device memory).
+    staging: bool | None = None
+    staging_gib: float = 4.0
 
     @staticmethod
     def from_extra_config(extra: dict) -> TransferSettings:
-        unknown = sorted(set(extra) - {"hostname", "timeout_s", "engine_id"})
+        known = ("hostname", "timeout_s", "engine_id", "staging", "staging_gib")
+        unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(f"MooncakeTransferConnector: unknown kv_connector_extra_config keys {unknown}; known: "
-                             "hostname, timeout_s, engine_id")
+                             f"{', '.join(known)}")
         s = TransferSettings(**extra)
+        if s.staging not in (None, True, False):
+            raise ValueError(f"MooncakeTransferConnector: kv_connector_extra_config['staging']={s.staging!r} must "
+                             "be true, false or null (automatic)")
+        if isinstance(s.staging_gib, bool) or not (isinstance(s.staging_gib, (int, float)) and s.staging_gib > 0):
+            raise ValueError(f"MooncakeTransferConnector: kv_connector_extra_config['staging_gib']="
+                             f"{s.staging_gib!r} must be a positive number of GiB")
         if not (isinstance(s.hostname, str) and s.hostname):
             raise ValueError(f"MooncakeTransferConnector: kv_connector_extra_config['hostname']={s.hostname!r} "
                              "must be a host name or IP address")
@@ -74,6 +85,7 @@ class Hold(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     transfer_id: str
     timeout_s: float
+    slots: tuple[int, int] = (0, 0)  # (first, count) of the staging slots its blocks were copied to
 
 
 class TransferMetadata(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -111,15 +123,19 @@ class MooncakeTransferConnector(KVConnectorBase):
         self.block_size = kv_cache_config.groups[0].spec.block_size
         self.digest = layout_digest(config, kv_cache_config)
         self._key = id(config.kv_transfer_config)  # both halves of one engine share its config object
+        self._group_of_layer = [kv_cache_config.group_of_layer(i).group_id
+                                for i in range(sum(len(g.layer_ids) for g in kv_cache_config.groups))]
         if role is KVConnectorRole.SCHEDULER:
             self._meta = TransferMetadata([], [])
             self._read: set[str] = set()  # requests whose remote KV was asked for (never twice: a preempted one
             self._warned = False          # recomputes, the prefill side may have freed it)
             self._held: dict[str, str] = {}  # request id -> transfer id, while its blocks wait for the decode side
         else:
-            self._holds: dict[str, tuple[str, float]] = {}  # transfer id -> (request id, when it is freed anyway)
+            self._holds: dict[str, Hold] = {}  # transfer id -> the hold
+            self._expiry: dict[str, float] = {}  # transfer id -> when its blocks are freed anyway
             self._early: dict[str, float] = {}  # notifications that came before their hold: transfer id -> time
-            self._reads: list[tuple[RemoteRead, object]] = []  # (the read, its future)
+            self._reads: list[tuple[RemoteRead, object, int | None]] = []  # (the read, its future, first slot)
+            self._releasing: list[tuple[object, int, int]] = []  # staging slots a copy to the device still reads
             self._report = KVConnectorOutput()
 
     @property
@@ -203,12 +219,23 @@ class MooncakeTransferConnector(KVConnectorBase):
         self._held[request.request_id] = transfer_id
         num_blocks = -(-request.num_prompt_tokens // self.block_size)
         agent = self.agent
-        self._meta.holds.append(Hold(request.request_id, transfer_id, self.settings.timeout_s))
+        remote_ids = [list(block_ids[g][:num_blocks]) for g in self.groups]
+        slots = (0, 0)
+        if agent.staging is not None:  # copied out now: the decode side reads the staging slots
+            first = agent.take_slots(num_blocks)
+            if first is None:
+                logger.warning("KV transfer: no %d free staging slots for request %s: the decode side computes "
+                               "its prompt (raise staging_gib)", num_blocks, request.request_id)
+                return False, None
+            agent.stage_out(remote_ids, self._group_of_layer, list(self.groups), first)
+            slots = (first, num_blocks)
+            remote_ids = [list(range(first, first + num_blocks))] * len(self.groups)
+        self._meta.holds.append(Hold(request.request_id, transfer_id, self.settings.timeout_s, slots))
         return True, {
             "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": transfer_id,
             "remote_engine_id": agent.engine_id, "remote_session": agent.session,
             "remote_layout": list(agent.layout_region), "remote_layout_digest": self.digest,
-            "remote_block_ids": [list(block_ids[g][:num_blocks]) for g in self.groups],
+            "remote_block_ids": remote_ids,
             "remote_num_tokens": request.num_prompt_tokens, "expires_at": time.time() + self.settings.timeout_s}
 
     def _release(self, params: dict) -> None:
@@ -238,12 +265,12 @@ class MooncakeTransferConnector(KVConnectorBase):
 
     # ---- worker side ----
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        if any(c.device.type != "cpu" for c in kv_caches):
-            logger.info("KV transfer: the KV cache is on %s; Mooncake must be built for it (mooncake-transfer-engine "
-                        "with CUDA) to read it", kv_caches[0].device)
         agent = agent_for(self._key, self.settings.hostname, self.settings.engine_id)
-        group_of_layer = [self.kv_cache_config.group_of_layer(i).group_id for i in range(len(kv_caches))]
-        agent.register_kv_caches(kv_caches, group_of_layer, self.digest, len(self.kv_cache_config.groups))
+        staging = self.settings.staging
+        if staging is None:
+            staging = kv_caches[0].device.type != "cpu"
+        agent.register_kv_caches(kv_caches, self._group_of_layer, self.digest, len(self.kv_cache_config.groups),
+                                 int(self.settings.staging_gib * 2**30) if staging else None)
 
     def start_load_kv(self, metadata: bytes) -> None:
         if not metadata:
@@ -252,17 +279,36 @@ class MooncakeTransferConnector(KVConnectorBase):
         agent = self.agent
         now = time.monotonic()
         for hold in meta.holds:
-            if self._early.pop(hold.transfer_id, None) is not None:
-                self._report.finished_sending.append(hold.request_id)  # read before we heard of it
-            else:
-                self._holds[hold.transfer_id] = (hold.request_id, now + hold.timeout_s)
+            self._holds[hold.transfer_id] = hold
+            self._expiry[hold.transfer_id] = now + hold.timeout_s
+            if self._early.pop(hold.transfer_id, None) is not None:  # read before we heard of it
+                self._end_hold(hold.transfer_id, self._report)
         for read in meta.reads:
-            future = agent.submit(lambda r=read: self._timed_read(agent, r))
-            self._reads.append((read, future))
+            first = None
+            local = read.local_block_ids
+            if agent.staging is not None:  # into staging slots, then (get_finished) to the device
+                first = agent.take_slots(len(local[0]))
+                if first is None:
+                    logger.warning("KV transfer: no %d free staging slots for request %s; it is recomputed",
+                                   len(local[0]), read.request_id)
+                    self._report.failed_recving.append(read.request_id)
+                    continue
+                local = [list(range(first, first + len(local[0])))] * len(local)
+            future = agent.submit(lambda r=read, ids=local: self._timed_read(agent, r, ids))
+            self._reads.append((read, future, first))
 
-    def _timed_read(self, agent, read: RemoteRead) -> tuple[int, float]:
+    def _end_hold(self, transfer_id: str, out: KVConnectorOutput, expired: bool = False) -> None:
+        hold = self._holds.pop(transfer_id)
+        del self._expiry[transfer_id]
+        out.finished_sending.append(hold.request_id)
+        if expired:
+            out.failed_sending.append(hold.request_id)
+        if hold.slots[1]:
+            self.agent.give_back_slots(*hold.slots)
+
+    def _timed_read(self, agent, read: RemoteRead, local_ids: list[list[int]]) -> tuple[int, float]:
         start = time.perf_counter()
-        nbytes = agent.read_blocks(read.session, read.layout_region, list(self.groups), read.local_block_ids,
+        nbytes = agent.read_blocks(read.session, read.layout_region, list(self.groups), local_ids,
                                    read.remote_block_ids, read.transfer_id)
         if time.time() >= read.expires_at:
             raise TimeoutError(f"the read ended {time.time() - read.expires_at:.2f} s after the prefill side's "
@@ -271,35 +317,50 @@ class MooncakeTransferConnector(KVConnectorBase):
 
     def get_finished(self) -> KVConnectorOutput:
         out, self._report = self._report, KVConnectorOutput()
+        agent = find_agent(self._key)
+        pending = []
+        for event, first, n in self._releasing:
+            if event.query():
+                agent.give_back_slots(first, n)
+            else:
+                pending.append((event, first, n))
+        self._releasing = pending
         still = []
-        for read, future in self._reads:
+        for read, future, first in self._reads:
             if not future.done():
-                still.append((read, future))
-            elif future.exception() is not None:
+                still.append((read, future, first))
+                continue
+            n = len(read.local_block_ids[0])
+            if future.exception() is not None:
                 logger.warning("KV transfer: reading request %s's KV from %s failed (%s); it is recomputed",
                                read.request_id, read.session, future.exception())
                 out.failed_recving.append(read.request_id)
-            else:
-                nbytes, seconds = future.result()
-                out.loaded_bytes += nbytes
-                out.load_seconds += seconds
-                out.finished_recving.append(read.request_id)
+                if first is not None:
+                    agent.give_back_slots(first, n)
+                continue
+            if first is not None:  # staged: to the device, in stream order before any step that reads it
+                event = agent.stage_in(first, read.local_block_ids, self._group_of_layer, list(self.groups))
+                if event is None:
+                    agent.give_back_slots(first, n)
+                else:
+                    self._releasing.append((event, first, n))
+            nbytes, seconds = future.result()
+            out.loaded_bytes += nbytes
+            out.load_seconds += seconds
+            out.finished_recving.append(read.request_id)
         self._reads = still
         if self._holds or self._early or self.transfer_config.saves:
             now = time.monotonic()
-            for transfer_id in self.agent.notifications():
-                held = self._holds.pop(transfer_id, None)
-                if held is not None:
-                    out.finished_sending.append(held[0])
+            for transfer_id in agent.notifications():
+                if transfer_id in self._holds:
+                    self._end_hold(transfer_id, out)
                 else:
                     self._early[transfer_id] = now
-            for transfer_id, (request_id, expiry) in list(self._holds.items()):
+            for transfer_id, expiry in list(self._expiry.items()):
                 if now >= expiry:
-                    del self._holds[transfer_id]
                     logger.warning("KV transfer %s (request %s) was not read within %g s: its blocks are freed",
-                                   transfer_id, request_id, self.settings.timeout_s)
-                    out.finished_sending.append(request_id)
-                    out.failed_sending.append(request_id)
+                                   transfer_id, self._holds[transfer_id].request_id, self.settings.timeout_s)
+                    self._end_hold(transfer_id, out, expired=True)
             horizon = now - self.settings.timeout_s
             self._early = {t: when for t, when in self._early.items() if when > horizon}
         return out

@@ -11,6 +11,7 @@ import torch
 from tiny_models import make_tiny_model
 
 from surge import LLM, SamplingParams
+from surge.kv_transfer.transfer_agent import find_agent
 
 ENGINE = {"block_size": 4, "max_model_len": 256, "kv_cache_memory": 1 << 22, "device": "cpu"}
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
@@ -64,9 +65,13 @@ def _decode(llm: LLM, prompts, params: list[dict]) -> list:
     return llm.generate(prompts, [SamplingParams(**GREEDY, kv_transfer_params=p) for p in params], use_tqdm=False)
 
 
-def test_decode_reads_the_prefill_kv_and_computes_only_the_last_prompt_token(model_dir, prompts, reference):
-    p = LLM(model_dir, kv_transfer_config=_connector("kv_producer", timeout_s=30), **ENGINE)
-    d = LLM(model_dir, kv_transfer_config=_connector("kv_consumer"), **ENGINE)
+@pytest.mark.parametrize("staging", [False, True], ids=["direct", "staged"])
+def test_decode_reads_the_prefill_kv_and_computes_only_the_last_prompt_token(model_dir, prompts, reference,
+                                                                               staging):
+    """Staged: through host staging caches, as a KV cache in device memory goes (the same copies on the CPU)."""
+    extra = {"staging": staging, "staging_gib": 0.002}
+    p = LLM(model_dir, kv_transfer_config=_connector("kv_producer", timeout_s=30, **extra), **ENGINE)
+    d = LLM(model_dir, kv_transfer_config=_connector("kv_consumer", **extra), **ENGINE)
     params = prefill(p, prompts[:1], transfer_id="t-0") + prefill(p, prompts[1:2], transfer_id="t-0")
     params += prefill(p, prompts[2:])
     assert params[0]["transfer_id"] == "t-0" and all(x["do_remote_prefill"] for x in params)
@@ -83,6 +88,11 @@ def test_decode_reads_the_prefill_kv_and_computes_only_the_last_prompt_token(mod
     # The reads' notifications free the prefill side's blocks long before its timeout.
     step_until(p, lambda: p.engine.kv_cache_manager.usage == 0.0)
     assert p.engine.kv_connector.stats.failures == 0 and not p.engine.has_unfinished_requests()
+    for llm in (p, d):  # every staging slot is back
+        agent = find_agent(id(llm.config.kv_transfer_config))
+        assert (agent.staging is not None) == staging
+        if staging:
+            assert agent._free_runs == [(1, agent.staging[0].shape[1] - 1)]
 
 
 def test_unread_blocks_are_freed_after_the_timeout_and_counted(model_dir, prompts):
