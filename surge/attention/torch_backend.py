@@ -1,97 +1,148 @@
 """Paged attention in plain torch: the CPU path and the reference for the Triton backend.
 
-Decode rows (one query each) run as one batched SDPA over gathered blocks; prefill rows run one request at a time.
-Masked slots are read too, so the cache must start zeroed: a softmax weight of 0 times a NaN left in uninitialized
-memory would still be NaN. After that, every slot holds zeros or keys/values some request wrote.
+Decode rows (one query each) run as one SDPA over their gathered slots, the query heads of each KV head taken as
+its queries (no repeated KV); prefill rows run one request at a time. The slots to gather and the mask depend only
+on the step's metadata, so the first layer of a KV group builds them and the group's other layers reuse them.
+Only slots some request wrote are read: a position a query may not see is gathered from the row's own current
+token (then masked), so the cache may start uninitialized (NaN or garbage never reaches a softmax).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from surge.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from surge.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionMetadata, register_backend
+
+
+@dataclass
+class DecodePlan:
+    """The decode rows of one step, for one KV group and sliding window: what to gather, and the mask."""
+    token_idx: torch.Tensor | None  # [R] token of each decode row; None: every row decodes, in order
+    slots: torch.Tensor  # [R * L] cache slot of each (row, key position), a visible one or the row's current token
+    mask: torch.Tensor  # [R, 1, 1, L] additive: 0 where visible, -inf elsewhere
+    num_rows: int
+    length: int  # L: the longest decode row's context
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    plans: dict[int | None, DecodePlan] = field(default_factory=dict)  # sliding window -> plan, built on first use
 
 
 @register_backend
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def build_metadata(self, common: CommonAttentionMetadata, slot_mapping: torch.Tensor,
+                       block_table: torch.Tensor) -> AttentionMetadata:
+        return TorchAttentionMetadata(**vars(common), slot_mapping=slot_mapping, block_table=block_table)
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale, prologue=None):
         if prologue is not None:
             q, k = prologue.apply(q, k)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-        slots = meta.slot_mapping
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_slots = k_cache.view(-1, num_kv_heads * head_dim)  # one row per slot
+        v_slots = v_cache.view(-1, num_kv_heads * head_dim)
+        k_slots.index_copy_(0, meta.slot_mapping, k.reshape(k.shape[0], -1))
+        v_slots.index_copy_(0, meta.slot_mapping, v.reshape(v.shape[0], -1))
 
-        out = torch.empty_like(q)
-        block_table = meta.block_table
         qsl = meta.query_start_loc
-        decode_rows = [r for r in range(meta.num_reqs) if qsl[r + 1] - qsl[r] == 1]
-        if decode_rows:
-            self._decode(q, out, k_cache, v_cache, meta, block_table, decode_rows, sliding_window, scale)
+        if meta.decode_only:
+            return self._decode(q, k_slots, v_slots, meta, sliding_window, scale, k_cache.shape[1])
+        out = torch.empty_like(q)
+        if any(qsl[r + 1] - qsl[r] == 1 for r in range(meta.num_reqs)):
+            plan = self._plan(meta, sliding_window, k_cache.shape[1], q.dtype)
+            out[plan.token_idx] = self._decode(q, k_slots, v_slots, meta, sliding_window, scale, k_cache.shape[1])
+        block_size = k_cache.shape[1]
         for r in range(meta.num_reqs):
             start, end = qsl[r], qsl[r + 1]
-            if end - start == 1:
+            num_new = end - start
+            if num_new == 1:
                 continue
             seq_len = meta.seq_lens[r]
-            num_new = end - start
             if seq_len == num_new and sliding_window is None:  # nothing cached before: plain causal attention
                 out[start:end] = _sdpa(q[start:end].unsqueeze(0), k[start:end].unsqueeze(0),
                                        v[start:end].unsqueeze(0), None, scale).squeeze(0)
                 continue
-            keys, values = _gather(k_cache, v_cache, block_table[r], seq_len)
+            # Keys from the first one the first query may see: a sliding window's older blocks may be gone.
+            first = 0 if sliding_window is None else max(0, seq_len - num_new - sliding_window + 1)
+            k_pos = torch.arange(first, seq_len, device=q.device)
+            slots = _slots_of(meta.block_table[r].long(), k_pos, block_size)
+            keys = k_slots.index_select(0, slots).view(-1, num_kv_heads, head_dim)
+            values = v_slots.index_select(0, slots).view(-1, num_kv_heads, head_dim)
             q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
-            k_pos = torch.arange(seq_len, device=q.device)
-            mask = _mask(q_pos[:, None], k_pos[None, :], sliding_window)
+            mask = _visible(q_pos[:, None], k_pos[None, :], sliding_window)
             out[start:end] = _sdpa(q[start:end].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                    mask, scale).squeeze(0)
         return out
 
-    def _decode(self, q, out, k_cache, v_cache, meta, block_table, rows, sliding_window, scale):
-        idx = torch.tensor(rows, device=q.device)
-        seq_lens = meta.seq_lens_t[idx]
-        max_len = max(meta.seq_lens[r] for r in rows)
-        block_size = k_cache.shape[1]
-        num_blocks = -(-max_len // block_size)
-        tables = block_table[idx, :num_blocks].long()  # [R, n]
-        keys = _take_blocks(k_cache, tables)[:, :max_len]  # [R, L, Hkv, D]
-        values = _take_blocks(v_cache, tables)[:, :max_len]
-        k_pos = torch.arange(max_len, device=q.device)[None, :]
-        q_pos = (seq_lens - 1)[:, None]
-        mask = _mask(q_pos, k_pos, sliding_window) & (k_pos < seq_lens[:, None])  # [R, L]
-        token_idx = torch.tensor([meta.query_start_loc[r] for r in rows], device=q.device)
-        res = _sdpa(q[token_idx].unsqueeze(1), keys, values, mask.unsqueeze(1), scale)  # [R, 1, Hq, D]
-        out[token_idx] = res.squeeze(1)
+    def _plan(self, meta: AttentionMetadata, sliding_window: int | None, block_size: int,
+              dtype: torch.dtype) -> DecodePlan:
+        plans = getattr(meta, "plans", None)
+        plan = plans.get(sliding_window) if plans is not None else None
+        if plan is None:
+            plan = _decode_plan(meta, sliding_window, block_size, dtype)
+            if plans is not None:
+                plans[sliding_window] = plan
+        return plan
+
+    def _decode(self, q, k_slots, v_slots, meta, sliding_window, scale, block_size) -> torch.Tensor:
+        """Every decode row's output [R, Hq, D], in row order."""
+        plan = self._plan(meta, sliding_window, block_size, q.dtype)
+        rows, length = plan.num_rows, plan.length
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k_slots.shape[1] // head_dim
+        keys = k_slots.index_select(0, plan.slots).view(rows, length, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_slots.index_select(0, plan.slots).view(rows, length, num_kv_heads, head_dim).transpose(1, 2)
+        q_rows = q if plan.token_idx is None else q.index_select(0, plan.token_idx)
+        # The query heads sharing a KV head are that head's queries: [R, Hkv, group, D], one mask row for all.
+        grouped = q_rows.reshape(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask, scale=scale)
+        return out.reshape(rows, num_heads, head_dim)
 
 
-def _take_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, B, H, D], tables [..., n] -> [..., n * B, H, D]. index_select on a flat view is several
-    times faster on CPU than advanced indexing."""
-    num_blocks, block_size, heads, dim = cache.shape
-    flat = cache.view(num_blocks, -1).index_select(0, tables.reshape(-1))
-    return flat.view(*tables.shape[:-1], tables.shape[-1] * block_size, heads, dim)
+def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, block_size: int,
+                 dtype: torch.dtype) -> DecodePlan:
+    qsl = meta.query_start_loc
+    rows = [r for r in range(meta.num_reqs) if qsl[r + 1] - qsl[r] == 1]
+    device = meta.block_table.device
+    if len(rows) == meta.num_reqs:
+        token_idx, seq_lens, tables = None, meta.seq_lens_t.long(), meta.block_table
+    else:
+        token_idx = torch.tensor([qsl[r] for r in rows], device=device)
+        row_idx = torch.tensor(rows, device=device)
+        seq_lens, tables = meta.seq_lens_t.long()[row_idx], meta.block_table[row_idx]
+    length = max(meta.seq_lens[r] for r in rows)
+    k_pos = torch.arange(length, device=device)
+    slots = _slots_of(tables[:, :-(-length // block_size)].long(), k_pos, block_size)  # [R, L]
+    q_pos = (seq_lens - 1)[:, None]
+    visible = (k_pos[None, :] <= q_pos) & _visible(q_pos, k_pos[None, :], sliding_window)
+    slots = torch.where(visible, slots, slots.gather(1, q_pos))  # hidden positions read the current token
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    return DecodePlan(token_idx, slots.reshape(-1), mask[:, None, None, :], len(rows), length)
 
 
-def _gather(k_cache, v_cache, table_row, seq_len):
-    blocks = table_row[: -(-seq_len // k_cache.shape[1])]
-    return _take_blocks(k_cache, blocks)[:seq_len], _take_blocks(v_cache, blocks)[:seq_len]
+def _slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of key positions [L] through block tables [..., n] (int64) -> [..., L]."""
+    return tables.index_select(-1, positions // block_size) * block_size + positions % block_size
 
 
-def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
-    mask = k_pos <= q_pos
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    visible = k_pos <= q_pos
     if sliding_window is not None:
-        mask = mask & (k_pos > q_pos - sliding_window)
-    return mask
+        visible = visible & (k_pos > q_pos - sliding_window)
+    return visible
 
 
 def _sdpa(q, k, v, mask, scale):
-    """q: [B, Tq, Hq, D]; k, v: [B, Tk, Hkv, D]; mask: [B?, Tq, Tk] bool, or None for causal with Tq == Tk.
+    """q: [B, Tq, Hq, D]; k, v: [B, Tk, Hkv, D]; mask: [Tq, Tk] bool, or None for causal with Tq == Tk.
     Returns [B, Tq, Hq, D]."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if mask is not None:
-        mask = (mask[None] if mask.dim() == 2 else mask).unsqueeze(1)
+        mask = mask[None, None]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)

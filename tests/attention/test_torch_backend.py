@@ -1,0 +1,101 @@
+"""The torch attention backend (the CPU path) against a float64 per-query softmax: decode-only, mixed and prefill
+batches, GQA, sliding windows whose old blocks were handed back (the null block in their table entries), and NaN in
+every slot nobody wrote, the null block included: an uninitialized cache must not leak into any output."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from surge.attention.backend import CommonAttentionMetadata
+from surge.attention.torch_backend import TorchAttentionBackend
+
+BLOCK = 4
+
+
+def _batch(requests, num_q_heads, num_kv_heads, head_dim, window, seed):
+    """requests: (cached context, new tokens). Blocks scattered; with a window, the blocks wholly before every
+    query's window are the null block (0) in the table, as the KV manager leaves them. Unwritten slots: NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(math.ceil((c + n) / BLOCK) for c, n in requests)
+    num_blocks = 1 + len(requests) * max_blocks
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(requests), max_blocks + 2, dtype=torch.int32)  # wider than needed: padded with 0
+    cache = torch.full((2, num_blocks, BLOCK, num_kv_heads, head_dim), float("nan"))
+    flat = cache.view(2, -1, num_kv_heads, head_dim)
+    keys, values, slots, qsl = [], [], [], [0]
+    for r, (ctx, new) in enumerate(requests):
+        kv = torch.randn(2, ctx + new, num_kv_heads, head_dim, generator=gen)
+        keys.append(kv[0])
+        values.append(kv[1])
+        first_visible = 0 if window is None else max(0, ctx - window + 1)
+        for b in range(math.ceil((ctx + new) / BLOCK)):
+            if (b + 1) * BLOCK <= first_visible:
+                continue  # handed back: the table keeps the null block here
+            block = order.pop()
+            tables[r, b] = block
+            for p in range(b * BLOCK, min((b + 1) * BLOCK, ctx + new)):
+                if p < ctx:
+                    flat[:, block * BLOCK + p % BLOCK] = kv[:, p]
+                else:
+                    slots.append(block * BLOCK + p % BLOCK)
+        qsl.append(qsl[-1] + new)
+    q = torch.randn(qsl[-1], num_q_heads, head_dim, generator=gen)
+    k_new = torch.cat([kk[c:] for kk, (c, _) in zip(keys, requests)])
+    v_new = torch.cat([vv[c:] for vv, (c, _) in zip(values, requests)])
+    seq_lens = [c + n for c, n in requests]
+    common = CommonAttentionMetadata(
+        num_reqs=len(requests), num_tokens=qsl[-1], query_start_loc=qsl, seq_lens=seq_lens,
+        max_query_len=max(n for _, n in requests), max_seq_len=max(seq_lens),
+        query_start_loc_t=torch.tensor(qsl, dtype=torch.int32), seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32))
+    return q, k_new, v_new, cache, common, torch.tensor(slots), tables, keys, values
+
+
+def _reference(q, keys, values, requests, window, scale):
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // keys[0].shape[1]
+    t = 0
+    for (ctx, new), k, v in zip(requests, keys, values):
+        k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+        for i in range(new):
+            pos = ctx + i
+            lo = 0 if window is None else max(0, pos - window + 1)
+            scores = torch.einsum("hd,khd->hk", q[t].double(), k[lo:pos + 1]) * scale
+            out[t] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[lo:pos + 1])
+            t += 1
+    return out
+
+
+DECODE = [(0, 1), (5, 1), (16, 1), (38, 1)]
+MIXED = [(0, 1), (16, 1), (38, 1), (0, 7), (21, 12), (5, 33)]
+PREFILL = [(0, 9), (13, 6)]
+
+
+@pytest.mark.parametrize("requests", [DECODE, MIXED, PREFILL], ids=["decode", "mixed", "prefill"])
+@pytest.mark.parametrize("heads,window", [((4, 2), None), ((6, 2), 7), ((2, 2), 3), ((3, 1), 16)])
+def test_matches_reference_with_nan_in_unwritten_slots(requests, heads, window):
+    q, k, v, cache, common, slots, tables, keys, values = _batch(requests, *heads, 16, window, seed=11)
+    backend = TorchAttentionBackend()
+    meta = backend.build_metadata(common, slots, tables)
+    before = cache.clone()
+    got = backend.forward(q, k, v, cache, meta, window, 16 ** -0.5)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), _reference(q, keys, values, requests, window, 16 ** -0.5),
+                               atol=1e-5, rtol=1e-5)
+    # Only the new tokens' slots were written.
+    changed = (cache.isnan() != before.isnan()).any(-1).any(-1).view(2, -1)
+    assert torch.equal(changed[0].nonzero().flatten(), slots.sort().values)
+
+
+def test_layers_of_a_group_share_one_decode_plan():
+    q, k, v, cache, common, slots, tables, _, _ = _batch(DECODE, 4, 2, 16, None, seed=2)
+    backend = TorchAttentionBackend()
+    meta = backend.build_metadata(common, slots, tables)
+    first = backend.forward(q, k, v, cache, meta, None, 0.25)
+    plan = meta.plans[None]
+    second = backend.forward(q, k, v, cache.clone(), meta, None, 0.25)
+    assert meta.plans[None] is plan and torch.equal(first, second)
+    # A sliding window is another plan (another mask) over the same metadata.
+    backend.forward(q, k, v, cache.clone(), meta, 5, 0.25)
+    assert set(meta.plans) == {None, 5}
