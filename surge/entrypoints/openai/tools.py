@@ -51,8 +51,9 @@ class ToolRequest:
         return self.choice in ("required", "function")
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
+        # Compact JSON: blanks the grammar would allow anywhere cost tokens, and a small model can loop on them.
         if self.choice == "function":
-            return StructuredOutputsParams(json=_parameters(self._tool(self.function)))
+            return StructuredOutputsParams(json=_parameters(self._tool(self.function)), disable_any_whitespace=True)
         if self.choice != "required":
             return None
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.name]},
@@ -61,7 +62,7 @@ class ToolRequest:
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not self.parallel:
             schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
     def parser(self, tool_call_parser: str | None) -> ToolParser | None:
         if self.choice == "function":
