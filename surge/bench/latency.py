@@ -9,6 +9,7 @@ import time
 import torch
 
 from surge.bench.common import ActiveWeights, add_model_args, build_engine, hf_model_for, make_workload, run_engine
+from surge.bench.speculative import add_speculative_args, run_speculative_latency
 
 
 def add_latency_args(p: argparse.ArgumentParser) -> None:
@@ -21,6 +22,7 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate (batch 1 decode)")
     g.add_argument("--breakdown", action="store_true",
                    help="split each decode step into device time (forward, logits + sampling) and host time")
+    add_speculative_args(g)  # with --speculative-config: with and without it, in one run
 
 
 def _sync(device: torch.device) -> None:
@@ -73,6 +75,8 @@ def _timed(engine, workload, repeats: int) -> float:
 
 
 def run_latency(args: argparse.Namespace) -> None:
+    if getattr(args, "speculative_config", None) is not None:
+        return run_speculative_latency(args)
     engine = build_engine(args)
     mc, dev = engine.config.model_config, engine.config.device
     weights = ActiveWeights.of(engine.executor.model)

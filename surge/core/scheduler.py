@@ -19,6 +19,7 @@ from surge.core.kv_cache.manager import KVCacheManager
 from surge.core.kv_connector import KVConnectorOutput, SchedulerConnector
 from surge.core.request import Request, RequestStatus
 from surge.core.scheduler_output import NewRequest, ScheduledRequest, SchedulerOutput
+from surge.core.spec_decode_stats import SpecDecodingStats
 
 
 class Scheduler:
@@ -28,6 +29,7 @@ class Scheduler:
         # A draft model writes its KV for up to this many positions past a sampling step's end while it proposes
         # (surge/worker/draft_model.py): they get slots too, and are not offered to the prefix cache.
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_stats = SpecDecodingStats()
         self.kv = kv_cache_manager
         self.connector = connector
         # Requests whose KV an asynchronous connector load is bringing in (blocks allocated, not schedulable yet),
@@ -221,6 +223,8 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end yet
             num_rejected = len(s.spec_token_ids) - (len(tokens) - 1)
             assert num_rejected >= 0, (s.request_id, s.spec_token_ids, tokens)
+            if s.spec_token_ids:  # the verdict as verified, before a stop cuts the run
+                self.spec_stats.observe(len(s.spec_token_ids), len(tokens) - 1)
             if num_rejected and req.status == RequestStatus.RUNNING:
                 req.num_computed_tokens -= num_rejected
                 self.kv.trim(req, req.num_computed_tokens)

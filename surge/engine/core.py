@@ -63,6 +63,11 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     kv_save_seconds: float = 0.0
     kv_failures: int = 0
     kv_storage_usage: float = 0.0
+    # Speculative decoding's running totals (surge/core/spec_decode_stats.py), zero without it.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineCore:
@@ -149,6 +154,11 @@ class EngineCore:
             stats.kv_load_seconds, stats.kv_save_seconds, stats.kv_storage_usage = (
                 c.load_seconds, c.save_seconds, c.pool_usage)
             stats.kv_failures = c.failures  # failed or partial loads (recomputed) and store errors
+        if self.speculates:
+            sd = self.scheduler.spec_stats
+            stats.spec_num_drafts, stats.spec_num_draft_tokens = sd.num_drafts, sd.num_draft_tokens
+            stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos = sd.num_accepted_tokens, \
+                list(sd.accepted_per_pos)
         return stats
 
     def step(self) -> list[EngineCoreOutput]:

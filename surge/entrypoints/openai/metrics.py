@@ -132,6 +132,20 @@ class PrometheusMetrics:
             }
             self.connector_usage = metric(Gauge, "kv_connector_storage_usage_perc", "Share of the connector's own "
                                           "storage in use (the offload tier's pool). 1 means 100 percent.")
+        # Speculative decoding (only with it), vLLM's names and meaning: request-steps with drafts, draft tokens,
+        # accepted ones, and accepted per draft position.
+        self.spec = None
+        if config.speculative_config is not None:
+            self.spec = {
+                "spec_num_drafts": metric(Counter, "spec_decode_num_drafts", "Number of spec decoding drafts."),
+                "spec_num_draft_tokens": metric(Counter, "spec_decode_num_draft_tokens", "Number of draft tokens."),
+                "spec_num_accepted_tokens": metric(Counter, "spec_decode_num_accepted_tokens",
+                                                   "Number of accepted tokens."),
+            }
+            per_pos = Counter(f"{prefix}:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
+                              "position.", labels + ["position"], registry=r)
+            self.spec_per_pos = [per_pos.labels(**values, position=str(j))
+                                 for j in range(config.speculative_config.num_speculative_tokens)]
         # An info metric as a gauge set to 1, as vLLM does: the cache configuration in its labels.
         info = {f.name: str(getattr(config.cache_config, f.name)) for f in dataclasses.fields(config.cache_config)}
         info.update(num_gpu_blocks=str(num_gpu_blocks), engine="0")
@@ -153,6 +167,12 @@ class PrometheusMetrics:
                 for field_name, counter in self.connector.items():
                     counter.inc(getattr(stats, field_name) - (getattr(last, field_name) if last else 0))
                 self.connector_usage.set(stats.kv_storage_usage)
+            if self.spec is not None:
+                for field_name, counter in self.spec.items():
+                    counter.inc(getattr(stats, field_name) - (getattr(last, field_name) if last else 0))
+                before = last.spec_accepted_per_pos if last else []
+                for j, count in enumerate(stats.spec_accepted_per_pos[:len(self.spec_per_pos)]):
+                    self.spec_per_pos[j].inc(count - (before[j] if j < len(before) else 0))
             self._last = stats
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
         self.generation_tokens.inc(iteration.num_generation_tokens)

@@ -1,0 +1,27 @@
+"""`surge bench latency --speculative-config`: one command runs the workload with and without speculation and
+prints the speed-up, acceptance rate and mean accepted length (greedy outputs compared); --verify-cost prints a
+verification step against a decode step. Numbers are printed, never asserted (timing is not a test)."""
+from __future__ import annotations
+
+import re
+
+from tiny_models import make_tiny_model
+
+from surge.entrypoints.cli.main import main
+
+
+def test_latency_with_speculation_prints_the_comparison(tmp_path, capsys):
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    common = ["bench", "latency", "--model", str(model_dir), "--device", "cpu", "--kv-cache-memory", str(1 << 22),
+              "--max-model-len", "512", "--batch-sizes", "1,2", "--output-len", "12", "--repeats", "1"]
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    assert main(common + spec + ["--workload", "quote"]) in (0, None)
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("batch")]
+    assert len(lines) == 2
+    for line in lines:
+        assert re.search(r"speed-up \d+\.\d\dx \| acceptance rate \d+\.\d%, mean accepted length \d\.\d\d", line)
+        assert line.endswith("greedy identical: True")
+    assert main(common + spec + ["--verify-cost", "--input-len", "16"]) in (0, None)
+    out = capsys.readouterr().out
+    assert len(re.findall(r"verification step of k=3 \(\d+ tokens\) +\d+\.\d+ ms: \d+\.\d\dx a decode step", out)) == 2
