@@ -61,6 +61,14 @@ def test_same_layout_as_llguidance():
     assert np.array_equal(logits.numpy(), theirs)
 
 
+@pytest.mark.parametrize("use_numpy", [True, False], ids=["numpy", "torch"])
+def test_both_unpackings_match_reference(use_numpy):
+    mask = _random_mask(3, 4, 6)
+    expected = [[bool((row[t // 32] >> (t % 32)) & 1) for t in range(128)] for row in mask.tolist()]
+    assert unpack_bitmask(mask, 128, use_numpy).tolist() == expected
+    assert unpack_bitmask(mask, 140, use_numpy)[:, 128:].sum() == 0  # past the mask: not allowed
+
+
 def test_unpack_and_bad_input():
     mask = torch.tensor([[0b101, 0]], dtype=torch.int32)
     assert unpack_bitmask(mask, 4).tolist() == [[True, False, True, False]]
