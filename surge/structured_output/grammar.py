@@ -1,5 +1,5 @@
-"""A request's StructuredOutputsParams as an llguidance grammar, checked against the tokenizer before the request is
-scheduled: a schema, regex or grammar the library rejects is a ValueError that names the field and the problem.
+"""A request's StructuredOutputsParams as an llguidance grammar (its JSON form); the manager starts a matcher from it
+before the request is scheduled, and a schema, regex or grammar llguidance rejects is a ValueError naming the field.
 
 llguidance compiles lazily (lexer states are built as the output reaches them), so checking and starting a new
 schema costs little up front; its masks are computed in Rust without the GIL.
@@ -36,9 +36,3 @@ def grammar_of(params: StructuredOutputsParams) -> str:
     except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"structured_outputs.{kind} is invalid: {e}") from None
 
-
-def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer, kind: str) -> None:
-    """Raise ValueError with llguidance's message when it rejects the grammar (checked for this tokenizer)."""
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-    if is_error:
-        raise ValueError(f"structured_outputs.{kind} is invalid: {messages[0].strip()}")

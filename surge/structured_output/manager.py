@@ -6,6 +6,7 @@ tokenizer bridge is built on the first constrained request, so an engine that ne
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,12 +17,17 @@ import numpy as np
 from surge.core.scheduler_output import GrammarBitmask, SchedulerOutput
 from surge.logger import init_logger
 from surge.sampling_params import SamplingParams
-from surge.structured_output.grammar import check_grammar, grammar_of
+from surge.structured_output.grammar import grammar_of
 from surge.structured_output.reasoning import ReasoningMarkers
 from surge.structured_output.reasoning_gate import ReasoningGate
 from surge.structured_output.tokenizer import ll_tokenizer
 
 logger = init_logger(__name__)
+
+# Compiled grammars kept to start new requests from (a deep copy of a started matcher takes microseconds; building
+# one for a large schema takes milliseconds, on the engine loop): clients tend to send the same schema again, and
+# n > 1 sends it n times at once.
+_GRAMMAR_CACHE_SIZE = 128
 
 
 @dataclass
@@ -52,6 +58,7 @@ class StructuredOutputManager:
         self.grammars: dict[str, RequestGrammar] = {}
         self.num_words = (vocab_size + 31) // 32
         self._buffer = np.zeros((0, self.num_words), dtype=np.int32)
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar -> its matcher at start
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -70,10 +77,17 @@ class StructuredOutputManager:
         if so is None:
             return None
         grammar = grammar_of(so)
-        check_grammar(grammar, self.tokenizer, so.kind)
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():  # validation passed, so this is a limit reached while starting it
-            raise ValueError(f"structured_outputs.{so.kind} is invalid: {matcher.get_error().strip()}")
+        template = self._compiled.get(grammar)
+        if template is None:
+            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if template.is_error():  # llguidance rejected it: its message names the place and the reason
+                raise ValueError(f"structured_outputs.{so.kind} is invalid: {template.get_error().strip()}")
+            self._compiled[grammar] = template
+            if len(self._compiled) > _GRAMMAR_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        matcher = template.deep_copy()
         gate = None
         if self.reasoning is not None:
             gate = ReasoningGate.for_request(self.reasoning, self._hf_tokenizer, prompt_token_ids)

@@ -132,3 +132,12 @@ def test_waits_only_for_constrained_tokens_in_flight():
     assert manager.waits_for(_step("r", "x"), _step("r"))
     assert not manager.waits_for(_step("x"), _step("r", "x"))
     assert not manager.waits_for(_step("r"), _step("x"))
+
+
+def test_requests_of_one_grammar_keep_their_own_state():
+    """The second request of a grammar starts from a copy of the first's compiled matcher, not from its state."""
+    manager = _manager()
+    _add(manager, "a", choice=["xy", "xz"])
+    manager.advance({"a": [ord("x")]})
+    _add(manager, "b", choice=["xy", "xz"])
+    assert _allowed(manager, _step("a", "b")) == {"a": {ord("y"), ord("z")}, "b": {ord("x")}}
