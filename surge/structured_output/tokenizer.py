@@ -24,7 +24,10 @@ class _DecodedTokens:
 def ll_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
     """hf_tokenizer over the model's vocabulary: masks have one bit per logit (ids past the tokenizer's own tokens, a
     model's padding rows, are never allowed), and a grammar that has ended allows exactly the model's EOS ids."""
-    eos = list(eos_token_ids) or ([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else [])
+    # The model's EOS ids the tokenizer knows; else (a benchmark pairing a preset with another model's tokenizer)
+    # the tokenizer's own.
+    eos = [t for t in eos_token_ids if t < len(hf_tokenizer)]
+    eos = eos or ([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else [])
     if not eos:
         raise ValueError("structured output needs an EOS token to end a finished grammar with, and neither the "
                          "model's generation config nor its tokenizer names one")
