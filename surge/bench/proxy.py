@@ -2,7 +2,8 @@
 with kv_transfer_params, a decode answer as JSON or as an SSE stream) stand behind two proxies in the same run: the
 byte-passthrough one (`surge proxy`) and a plain one that parses and re-encodes every body and every streamed event
 (`ParsedBodies`, the baseline vLLM PR #56657 beat by 51%). Reports requests/s and latency through each, the latency
-added over a direct call to the stub, and the ratio of the two proxies' requests/s.
+added over a direct call to the stub, and the ratio of the two proxies' requests/s; also requests per CPU-second of
+each proxy process, which other load on the machine does not skew (wall-clock rates on a shared host do).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
 import socket
 import statistics
@@ -62,7 +64,7 @@ class ParsedBodies:
 @dataclass(frozen=True)
 class Workload:
     prompt_tokens: int = 4096  # token ids in each request's prompt
-    output_events: int = 64  # SSE events of a streamed answer (tokens)
+    output_events: int = 256  # SSE events of a streamed answer (tokens)
     stream_share: float = 0.5  # of requests, the streamed ones
     num_blocks: int = 256  # block ids in the prefill's kv_transfer_params
 
@@ -147,6 +149,14 @@ class Result:
     latency_p50_ms: float
     latency_p99_ms: float
     latency_mean_ms: float
+    cpu_seconds: float  # of the process measured (the proxy; the stub for "direct")
+    requests_per_cpu_s: float  # what one core of it sustains: unlike requests/s, not skewed by other load
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc (Linux)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _bodies(w: Workload, n: int, seed: int) -> list[bytes]:
@@ -181,12 +191,15 @@ async def _load(url: str, bodies: list[bytes], concurrency: int) -> tuple[float,
         return time.perf_counter() - start, latencies
 
 
-def measure(target: str, url: str, bodies: list[bytes], concurrency: int) -> Result:
+def measure(target: str, url: str, pid: int, bodies: list[bytes], concurrency: int) -> Result:
     asyncio.run(_load(url, bodies[:max(8, len(bodies) // 10)], concurrency))  # warm connections and caches
+    cpu = _cpu_seconds(pid)
     seconds, lat = asyncio.run(_load(url, bodies, concurrency))
+    cpu = _cpu_seconds(pid) - cpu
     lat.sort()
     return Result(target, len(lat), seconds, len(lat) / seconds, 1e3 * statistics.median(lat),
-                  1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1e3 * statistics.fmean(lat))
+                  1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1e3 * statistics.fmean(lat), cpu,
+                  len(lat) / max(cpu, 1e-3))
 
 
 def run_proxy_bench(num_requests: int = 400, concurrency: int = 16, workload: Workload = Workload(),
@@ -204,11 +217,12 @@ def run_proxy_bench(num_requests: int = 400, concurrency: int = 16, workload: Wo
         for url in urls.values():
             _wait_up(url)
         bodies = _bodies(workload, num_requests, seed)
-        direct = measure("direct", urls["stub"], bodies, concurrency)
+        pids = {k: p.pid for k, p in zip(ports, procs)}
+        direct = measure("direct", urls["stub"], pids["stub"], bodies, concurrency)
         best: dict[str, Result] = {}
         for _ in range(rounds):
             for k in ("passthrough", "parsed"):
-                r = measure(k, urls[k], bodies, concurrency)
+                r = measure(k, urls[k], pids[k], bodies, concurrency)
                 if k not in best or r.requests_per_s > best[k].requests_per_s:
                     best[k] = r
     finally:
@@ -219,7 +233,8 @@ def run_proxy_bench(num_requests: int = 400, concurrency: int = 16, workload: Wo
     result = {"workload": asdict(workload), "concurrency": concurrency, "direct": asdict(direct),
               **{k: asdict(r) for k, r in best.items()},
               "added_latency_p50_ms": {k: r.latency_p50_ms - direct.latency_p50_ms for k, r in best.items()},
-              "speedup": best["passthrough"].requests_per_s / best["parsed"].requests_per_s}
+              "speedup": best["passthrough"].requests_per_s / best["parsed"].requests_per_s,
+              "speedup_per_cpu_s": best["passthrough"].requests_per_cpu_s / best["parsed"].requests_per_cpu_s}
     return result
 
 
@@ -243,13 +258,14 @@ def cli(args: argparse.Namespace) -> int:
     result = run_proxy_bench(args.num_requests, args.concurrency, w, args.rounds)
     print(f"workload: {w.prompt_tokens} prompt token ids per request, {w.output_events} output events, "
           f"{w.stream_share:.0%} streamed; concurrency {args.concurrency}")
-    print(f"{'target':<12} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'added p50 ms':>13}")
+    print(f"{'target':<12} {'req/s':>9} {'req/cpu-s':>10} {'p50 ms':>9} {'p99 ms':>9} {'added p50 ms':>13}")
     for k in ("direct", "passthrough", "parsed"):
         r = result[k]
         added = result["added_latency_p50_ms"].get(k, 0.0)
-        print(f"{k:<12} {r['requests_per_s']:>9.1f} {r['latency_p50_ms']:>9.2f} {r['latency_p99_ms']:>9.2f} "
-              f"{added:>13.2f}")
-    print(f"byte passthrough / parse-and-re-encode: {result['speedup']:.2f}x requests/s")
+        print(f"{k:<12} {r['requests_per_s']:>9.1f} {r['requests_per_cpu_s']:>10.1f} {r['latency_p50_ms']:>9.2f} "
+              f"{r['latency_p99_ms']:>9.2f} {added:>13.2f}")
+    print(f"byte passthrough / parse-and-re-encode: {result['speedup']:.2f}x requests/s, "
+          f"{result['speedup_per_cpu_s']:.2f}x requests per proxy CPU-second")
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(result, f, indent=2)
