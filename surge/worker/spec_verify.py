@@ -43,7 +43,11 @@ def verify(logits: torch.Tensor, requests: list[tuple[CachedRequestState, list[i
     """logits [sum(k_i + 1), V]: each request's k_i + 1 positions in order, requests in the given order."""
     device = logits.device
     rows = [row for state, drafts in requests for row in verify_rows(state, drafts)]
-    work = processed_logits(logits, rows).float()
+    work = processed_logits(logits, rows)
+    num_drafts = [len(drafts) for _, drafts in requests]
+    if all(r.params.greedy for r in rows):  # the argmax everywhere: no distribution, no draws
+        return _finish(logits, rows, *_verify_greedy(work, requests, num_drafts, device))
+    work = work.float()
     greedy = device_tensor([r.params.greedy for r in rows], device, torch.bool)
     probs = sampling_probs(work, rows)
     if any(r.params.greedy for r in rows):
@@ -51,19 +55,36 @@ def verify(logits: torch.Tensor, requests: list[tuple[CachedRequestState, list[i
         probs = torch.where(greedy[:, None], one_hot, probs)
     uniform = _uniforms(requests, device)  # drawn before the noise: a fixed order per generator
     noise = exponential_noise(rows, logits.shape[1], device)  # ones for greedy rows
-    num_drafts = [len(drafts) for _, drafts in requests]
+    draft_t, bonus_t, draft_ids = _positions(requests, num_drafts, device)
+    accepted, at_drafts = rejection_sample(probs[draft_t], draft_ids, uniform, noise[draft_t])
+    token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
+    token_ids[draft_t] = at_drafts
+    token_ids[bonus_t] = race(probs[bonus_t], noise[bonus_t])
+    return _finish(logits, rows, token_ids, accepted, num_drafts)
+
+
+def _positions(requests, num_drafts: list[int], device: torch.device):
+    """Row indices of the draft positions and of the bonus positions, and the draft tokens."""
     bonus_idx, draft_idx, o = [], [], 0
     for k in num_drafts:
         draft_idx.extend(range(o, o + k))
         bonus_idx.append(o + k)
         o += k + 1
-    draft_t = device_tensor(draft_idx, device, torch.long)
-    bonus_t = device_tensor(bonus_idx, device, torch.long)
-    draft_ids = device_tensor([t for _, drafts in requests for t in drafts], device, torch.long)
-    accepted, at_drafts = rejection_sample(probs[draft_t], draft_ids, uniform, noise[draft_t])
-    token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
-    token_ids[draft_t] = at_drafts
-    token_ids[bonus_t] = race(probs[bonus_t], noise[bonus_t])
+    return (device_tensor(draft_idx, device, torch.long), device_tensor(bonus_idx, device, torch.long),
+            device_tensor([t for _, drafts in requests for t in drafts], device, torch.long))
+
+
+def _verify_greedy(work: torch.Tensor, requests, num_drafts: list[int], device: torch.device):
+    """p a point mass on the argmax at every row: a draft is accepted when it is the argmax, and the token at each
+    position is the argmax (the draft itself where accepted)."""
+    draft_t, _, draft_ids = _positions(requests, num_drafts, device)
+    token_ids = work.argmax(dim=-1)
+    return token_ids, token_ids[draft_t] == draft_ids, num_drafts
+
+
+def _finish(logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor, accepted: torch.Tensor,
+            num_drafts: list[int]) -> VerifyResult:
+    device = logits.device
     result = VerifyResult(token_ids, num_accepted(accepted, device_tensor(num_drafts, device, torch.long)))
     max_n = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
     if max_n is not None:  # from the raw logits, as the sampler's
