@@ -186,8 +186,9 @@ class ModelRunner:
             group = kvc.group_of_layer(layer_id)
             spec = group.spec
             shape = self.backend.kv_cache_shape(kvc.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-            # Zeroed: attention backends may read (masked) slots nobody wrote; NaN garbage there would leak through.
-            cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
+            # Not zeroed: no backend reads a slot no request wrote (both are tested with NaN there), and a fill would
+            # touch every page of the budget before the first request (seconds for a few GiB on some CPU hosts).
+            cache = torch.empty(shape, dtype=mc.dtype, device=self.device)
             attn.kv_cache, attn.group_id, attn.backend = cache, group.group_id, self.backend
             self.kv_caches.append(cache)
 

@@ -64,9 +64,12 @@ def test_logits_match_hf_every_step(tiny, budget):
 
 def test_logits_match_hf_through_prefix_hits_and_preemption(tiny):
     """A warm-up request leaves a shared prefix in the cache; then a batch larger than the KV cache is preempted and
-    recomputed. Every sampled row still equals HF's logits at its position, and greedy tokens are HF's argmax."""
+    recomputed. Every sampled row still equals HF's logits at its position, and greedy tokens are HF's argmax. The KV
+    cache starts as NaN, as uninitialized memory may: no step may read a slot that no request wrote."""
     kind, path, hf = tiny
     llm = LLM(path, block_size=4, num_gpu_blocks_override=40, max_num_batched_tokens=32, max_model_len=128)
+    for cache in llm.engine.executor.runner.kv_caches:
+        cache.fill_(float("nan"))
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(3, 256, (20,), generator=g).tolist()
     prompts = [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 7, 12, 3, 9, 5)]
