@@ -17,6 +17,7 @@ import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from surge.disagg.bodies import LIMIT_KEYS, Route
 
@@ -155,7 +156,7 @@ class Result:
 
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, from /proc (Linux)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -267,6 +268,5 @@ def cli(args: argparse.Namespace) -> int:
     print(f"byte passthrough / parse-and-re-encode: {result['speedup']:.2f}x requests/s, "
           f"{result['speedup_per_cpu_s']:.2f}x requests per proxy CPU-second")
     if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(result, f, indent=2)
+        Path(args.result_json).write_text(json.dumps(result, indent=2))
     return 0
