@@ -94,8 +94,12 @@ def _copy(stats: SpecDecodingStats) -> SpecDecodingStats:
 
 
 def run_speculative_latency(args: argparse.Namespace) -> None:
-    plain = build_engine(argparse.Namespace(**{**vars(args), "speculative_config": None}))
-    spec = build_engine(args)
+    values = vars(args)
+    if values.get("kv_cache_memory") is None and values.get("num_gpu_blocks_override") is None:
+        # Two engines in one process: the first must leave the second its share of the free memory.
+        values = {**values, "memory_fraction": values.get("memory_fraction", 0.9) / 2}
+    plain = build_engine(argparse.Namespace(**{**values, "speculative_config": None}))
+    spec = build_engine(argparse.Namespace(**values))
     sc = spec.config.speculative_config
     print(f"speculative decoding: {sc.method}, k={sc.num_speculative_tokens}; workload {args.workload}; "
           f"device {spec.config.device}", flush=True)

@@ -43,6 +43,7 @@ def _spec(model, k: int) -> dict:
 
 CASES = [("llama", k, engine) for k in (1, 3, 5) for engine in ("plain", "preempted-chunked")]
 CASES += [("qwen3-hybrid", 3, "plain"), ("qwen3-hybrid", 5, "preempted-chunked")]
+_REFERENCE: dict = {}
 ENGINES = {"plain": {"kv_cache_memory": 1 << 22},
            "preempted-chunked": {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 16}}
 
@@ -52,7 +53,10 @@ def test_target_as_its_own_draft_accepts_everything(model_dirs, kind, k, engine)
     model_dir = model_dirs[kind]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = _prompts() + [p[::-1] for p in _prompts()]  # 8 requests: enough to run out of 40 blocks
-    ref = LLM(model_dir, **BASE, **ENGINES[engine]).generate(prompts, params, use_tqdm=False)
+    if (kind, engine) not in _REFERENCE:  # one reference per model and engine, shared by every k
+        _REFERENCE[kind, engine] = LLM(model_dir, **BASE, **ENGINES[engine]).generate(prompts, params,
+                                                                                     use_tqdm=False)
+    ref = _REFERENCE[kind, engine]
     llm = LLM(model_dir, speculative_config=_spec(model_dir, k), **BASE, **ENGINES[engine])
     outs, (proposed, accepted) = _generate(llm, prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
