@@ -16,6 +16,7 @@ One rank per instance for now (tensor_parallel_size=1): the scheduler half names
 """
 from __future__ import annotations
 
+import array
 import hashlib
 import time
 import uuid
@@ -103,6 +104,11 @@ def layout_digest(config: EngineConfig, kv_cache_config: KVCacheConfig) -> str:
     return hashlib.sha256("\n".join(keys).encode()).hexdigest()[:16]
 
 
+def prompt_digest(token_ids: list[int]) -> str:
+    """Of the prompt whose KV is sent: the decode side reads it only for a request with the very same prompt."""
+    return hashlib.sha256(array.array("q", token_ids).tobytes()).hexdigest()[:32]
+
+
 def _block_lists(value, num_groups: int) -> list[list[int]] | None:
     if not (isinstance(value, list) and len(value) == num_groups):
         return None
@@ -165,6 +171,9 @@ class MooncakeTransferConnector(KVConnectorBase):
             problem = "transfer_id, remote_session, remote_num_tokens, remote_layout and expires_at are required"
         elif len(self.groups) != len(self.kv_cache_config.groups):
             problem = "a KV cache group of this model cannot be transferred"
+        elif params.get("remote_prompt_digest") != prompt_digest(
+                request.prompt_token_ids[:params["remote_num_tokens"]]):
+            problem = "its prompt is not the one the prefill instance computed"
         if problem is not None:
             if not self._warned:
                 self._warned = True
@@ -236,7 +245,9 @@ class MooncakeTransferConnector(KVConnectorBase):
             "remote_engine_id": agent.engine_id, "remote_session": agent.session,
             "remote_layout": list(agent.layout_region), "remote_layout_digest": self.digest,
             "remote_block_ids": remote_ids,
-            "remote_num_tokens": request.num_prompt_tokens, "expires_at": time.time() + self.settings.timeout_s}
+            "remote_num_tokens": request.num_prompt_tokens,
+            "remote_prompt_digest": prompt_digest(request.prompt_token_ids),
+            "expires_at": time.time() + self.settings.timeout_s}
 
     def _release(self, params: dict) -> None:
         """Straight from here, on the agent's thread (one rank: it is in this process), so that no engine step

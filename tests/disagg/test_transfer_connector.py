@@ -118,6 +118,9 @@ def test_expired_or_foreign_params_are_computed_not_read(model_dir, prompts, ref
     assert p.engine.kv_connector.stats.failures == 0
     expired = [{**x, "expires_at": time.time() - 1} for x in prefill(p, prompts[:1])]
     assert [o.outputs[0].token_ids for o in _decode(d, prompts[:1], expired)] == reference[:1]
+    # Another prompt's params (a client's mistake): its KV would be garbage here.
+    [other] = prefill(p, prompts[1:2])
+    assert [o.outputs[0].token_ids for o in _decode(d, prompts[:1], [other])] == reference[:1]
     assert d.engine.kv_connector.stats.external_hit_tokens == 0
 
 
