@@ -8,6 +8,16 @@
 set -uo pipefail
 MODE=${1:?disagg or colocated}; GPUS=${2:-2}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=${PYTHONPATH:-$PWD}
+# As scripts/h200: wheels from .whl/, and Debian's RDMA libraries (Mooncake's wheel links them) from .debs/.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+if ls .debs/*.deb >/dev/null 2>&1; then
+  for f in .debs/*.deb; do dpkg -x "$f" /tmp/debroot; done
+  export LD_LIBRARY_PATH=/tmp/debroot/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SURGE=(python3 -m surge.entrypoints.cli.main)  # run directly, not in a function: $! must be the process itself
 # PRESET, DTYPE, SERVE_ARGS, N_SHORT, N_LONG, LONG_LEN: a smaller run (on the CPU: PRESET=tiny-llama DTYPE=float32
