@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import llguidance
-import llguidance.hf
 
 
 class _DecodedTokens:
@@ -35,6 +34,8 @@ def ll_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) 
         raise ValueError(f"the tokenizer has {len(hf_tokenizer)} tokens, more than the model's vocab_size="
                          f"{vocab_size}: structured output needs the model's own tokenizer")
     n_vocab = vocab_size
+    import llguidance.hf  # imports transformers (~1 s): only once a constrained request needs the tokenizer
+
     try:
         return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
     except ValueError as e:

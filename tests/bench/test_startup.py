@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from surge.entrypoints.cli.main import main
@@ -25,3 +27,11 @@ def test_startup_cold_against_warm(tmp_path, capsys):
 def test_preset_needs_a_checkpoint_dir(capsys):
     assert main(["bench", "startup", "--preset", "tiny-llama", "--device", "cpu"]) == 2
     assert "--preset needs --checkpoint-dir" in capsys.readouterr().err
+
+
+def test_engine_start_up_path_imports_no_transformers():
+    """The engine core's imports leave out transformers (~1 s): only the tokenizer of a constrained request needs it."""
+    code = ("import sys; import surge.engine.core, surge.bench.startup; "
+            "print(sorted(m for m in ('transformers', 'triton', 'llguidance.hf') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
