@@ -1,5 +1,7 @@
 """`surge bench startup`: cold start (weights from disk) against warm start (weights from the weight-cache daemons),
-each engine in a fresh process: weight-load seconds (with GB/s) and time from process start to first token.
+each engine in a fresh process: weight-load seconds (with GB/s), time from process start to first token, and where
+that time went (interpreter + imports, CUDA context, weights, KV cache allocation, kernel warm-up, CUDA graph
+capture, the rest of the engine's construction, the first step).
 
 `--preset NAME --checkpoint-dir DIR` first writes the preset's random weights there as an HF checkpoint (kept for
 later runs). There is no tokenizer: the prompt is random token ids. The daemons are started in a private temporary
@@ -50,11 +52,19 @@ def _env() -> dict:
 
 
 def child_main() -> None:
-    """One engine in a fresh process: build it, take one request to its first token, report on stdout."""
+    """One engine in a fresh process: build it, take one request to its first token, report on stdout. The imports
+    are done when this runs (they came with this module); the phases after them are timed here."""
+    imported_at = time.monotonic()
     spec = json.loads(sys.stdin.read())
     from surge.bench.common import make_workload, run_engine
     from surge.engine.core import EngineCore
-    engine = EngineCore(EngineArgs(**spec["engine"]).create_engine_config())
+    config = EngineArgs(**spec["engine"]).create_engine_config()
+    cuda_seconds = 0.0
+    if config.device.type == "cuda":  # the context, on its own: the engine's other phases then exclude it
+        start = time.monotonic()
+        torch.empty(1, device=config.device)
+        cuda_seconds = time.monotonic() - start
+    engine = EngineCore(config)
     ready_at = time.monotonic()
     mc = engine.config.model_config
     prompt, _ = make_workload(1, spec["input_len"], 1, 0.0, mc.vocab_size, 0)[0]
@@ -62,12 +72,24 @@ def child_main() -> None:
     first_token_at = time.monotonic()
     runner = getattr(engine.executor, "runner", None)  # the in-process runner's phases (tp == 1) only
     graphs = runner.graph_runner if runner is not None else None
-    print(_RESULT + json.dumps({"load_seconds": engine.executor.load_seconds, "ready_at": ready_at,
+    print(_RESULT + json.dumps({"load_seconds": engine.executor.load_seconds, "imported_at": imported_at,
+                                "cuda_seconds": cuda_seconds, "ready_at": ready_at,
                                 "first_token_at": first_token_at,
+                                "kv_cache_seconds": runner.kv_cache_seconds if runner is not None else 0.0,
                                 "warmup_seconds": runner.warmup_seconds if runner is not None else 0.0,
                                 "capture_seconds": graphs.capture_seconds if graphs is not None else 0.0}),
           flush=True)
     engine.shutdown()
+
+
+def phases(r: dict) -> list[tuple[str, float]]:
+    """A child's report as (phase, seconds) from process start to first token; the phases add up to the total."""
+    engine = r["ready_from_start"] - r["imports_from_start"] - r["cuda_seconds"]
+    timed = [("weights", r["load_seconds"]), ("KV cache allocation", r["kv_cache_seconds"]),
+             ("kernel warm-up", r["warmup_seconds"]), ("CUDA graph capture", r["capture_seconds"])]
+    return ([("interpreter + imports", r["imports_from_start"]), ("CUDA context", r["cuda_seconds"])] + timed
+            + [("engine, other", engine - sum(s for _, s in timed)),
+               ("first step", r["ttft_from_start"] - r["ready_from_start"])])
 
 
 def _run_child(engine: EngineArgs, input_len: int, timeout: float, what: str) -> dict:
@@ -82,6 +104,7 @@ def _run_child(engine: EngineArgs, input_len: int, timeout: float, what: str) ->
     result = json.loads(lines[-1][len(_RESULT):])
     result["ttft_from_start"] = result["first_token_at"] - spawned_at
     result["ready_from_start"] = result["ready_at"] - spawned_at
+    result["imports_from_start"] = result["imported_at"] - spawned_at
     print(f"{what}: weights in {result['load_seconds']:.2f} s, kernel warm-up {result['warmup_seconds']:.2f} s, "
           f"CUDA graph capture {result['capture_seconds']:.2f} s, ready {result['ready_from_start']:.2f} s and "
           f"first token {result['ttft_from_start']:.2f} s after the process started", flush=True)
@@ -216,6 +239,10 @@ def run_startup(args: argparse.Namespace) -> int:
     print(f"{'speed-up':<16}{cold['load_seconds'] / max(warm['load_seconds'], 1e-9):>10.1f}x{'':<13}"
           f"{cold['ready_from_start'] / warm['ready_from_start']:>14.1f}x"
           f"{cold['ttft_from_start'] / warm['ttft_from_start']:>15.1f}x", flush=True)
+    print(f"{'phase':<24}{'cold (disk)':>14}{'warm (daemon)':>16}")
+    for (name, cold_s), (_, warm_s) in zip(phases(cold), phases(warm)):
+        print(f"{name:<24}{cold_s:>12.2f} s{warm_s:>14.2f} s")
+    print(f"{'first token':<24}{cold['ttft_from_start']:>12.2f} s{warm['ttft_from_start']:>14.2f} s", flush=True)
     if parity is not None:
         if parity:
             print(f"parity: {len(parity)} difference(s) between the daemon's tensors and a disk load:")

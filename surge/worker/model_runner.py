@@ -109,8 +109,10 @@ class ModelRunner:
         spec = config.speculative_config  # a draft model: its own KV layers in the same blocks
         self.draft = DraftModel(config, self.device) if spec is not None and spec.method == "draft_model" else None
         self._verified: tuple[list[str], list[int], VerifyResult | None] | None = None  # this step's verdicts
+        start = time.perf_counter()
         self.kv_cache_config = self._size_kv_cache()
         self._allocate_kv_cache()
+        self.kv_cache_seconds = time.perf_counter() - start  # sizing and allocation, for start-up reports
         if self.draft is not None:
             self.draft.bind_kv_cache(self.kv_cache_config, self.backend)
         # The worker half of the KV connector, if any: it moves blocks between these caches and its store.

@@ -20,6 +20,12 @@ def test_startup_cold_against_warm(tmp_path, capsys):
     assert re.search(r"cold \(disk\)" + number, out), out
     assert re.search(r"warm \(daemon\)" + number, out), out
     assert "parity: the daemon's tensors equal a disk load" in out
+    rows = {m[0]: (float(m[1]), float(m[2])) for m in re.findall(r"^(\S.*?)\s{2,}(\d+\.\d+) s\s+(\d+\.\d+) s$", out, re.M)}
+    names = ["interpreter + imports", "CUDA context", "weights", "KV cache allocation", "kernel warm-up",
+             "CUDA graph capture", "engine, other", "first step"]
+    assert set(names) | {"first token"} <= set(rows), out
+    for side in (0, 1):  # the phases account for the whole time to the first token (each rounded to 0.01 s)
+        assert abs(sum(rows[n][side] for n in names) - rows["first token"][side]) < 0.05, out
     socket_dir = re.search(r"weight-cache daemons \(sockets in (\S+)\) ready", out).group(1)
     assert not Path(socket_dir).exists()  # the daemons it started are gone, and their directory
 
