@@ -43,6 +43,10 @@ def _run(model_dir, **kwargs):
     for text in texts[:2] + texts[4:]:
         assert re.fullmatch(WORDS, text), text
     assert texts[2] in ("north", "south")
+    # Logprobs come from the masked logits: every token they rank above -inf is one the grammar allowed there.
+    allowed = {ord(c) for c in "abcdefghijklmnopqrstuvwxyz ."} | {2}
+    for c in outs[4].outputs:
+        assert all(t in allowed for d in c.logprobs for t, lp in d.items() if lp.logprob > float("-inf"))
     return results
 
 
