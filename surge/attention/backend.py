@@ -52,7 +52,9 @@ class Prologue:
             q, k = rms_norm(q, self.q_norm_weight, self.norm_eps), rms_norm(k, self.k_norm_weight, self.norm_eps)
         cos = self.cos_cache[self.positions].unsqueeze(1)
         sin = self.sin_cache[self.positions].unsqueeze(1)
-        return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        # q and k side by side through one rotation: half the small ops, which dominate at decode batch sizes.
+        qk = rotate_half(torch.cat((q, k), dim=1), cos, sin)
+        return qk[:, :q.shape[1]], qk[:, q.shape[1]:]
 
 
 class AttentionBackend(ABC):
