@@ -6,6 +6,7 @@ transfer supplies every other); instances killed mid-way give an error event or 
 and the proxy serves again once an instance is back."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -80,9 +81,17 @@ class ProxyProcess:
 
 @pytest.fixture(scope="module")
 def cluster():
-    single = RemoteServer(None, *SERVE)
-    prefill = start_prefill()
-    decode = RemoteServer(None, *SERVE, "--kv-transfer-config", _connector("kv_consumer"))
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # started side by side: start-up is mostly waiting
+        starting = [pool.submit(RemoteServer, None, *SERVE), pool.submit(start_prefill),
+                    pool.submit(RemoteServer, None, *SERVE, "--kv-transfer-config", _connector("kv_consumer"))]
+        concurrent.futures.wait(starting)
+    failed = [f.exception() for f in starting if f.exception() is not None]
+    if failed:
+        for f in starting:
+            if f.exception() is None:
+                f.result().stop()
+        raise failed[0]
+    single, prefill, decode = (f.result() for f in starting)
     proxy = ProxyProcess(prefill.url, decode.url)
     state = {"single": single, "prefill": prefill, "decode": decode, "proxy": proxy}
     try:
