@@ -117,6 +117,9 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams, a dict or None")
+        # A grammar that completes allows only EOS, which min_tokens would mask too: no token would be left.
+        _check(self.structured_outputs is None or self.min_tokens == 0, "min_tokens", self.min_tokens,
+               "must be 0 with structured_outputs (the grammar decides where the output may end)")
         _check(self.kv_transfer_params is None or isinstance(self.kv_transfer_params, dict), "kv_transfer_params",
                self.kv_transfer_params, "must be an object or None")
         for name in ("logprobs", "prompt_logprobs"):

@@ -141,3 +141,10 @@ def test_requests_of_one_grammar_keep_their_own_state():
     manager.advance({"a": [ord("x")]})
     _add(manager, "b", choice=["xy", "xz"])
     assert _allowed(manager, _step("a", "b")) == {"a": {ord("y"), ord("z")}, "b": {ord("x")}}
+
+
+def test_min_tokens_is_refused_with_a_grammar():
+    """A completed grammar allows EOS alone, which min_tokens masks too: no token would be left to sample."""
+    with pytest.raises(ValueError, match="min_tokens=3 is invalid: must be 0 with structured_outputs"):
+        SamplingParams(min_tokens=3, structured_outputs=StructuredOutputsParams(regex="a+"))
+    assert SamplingParams(min_tokens=3).min_tokens == 3
