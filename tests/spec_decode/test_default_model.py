@@ -27,9 +27,10 @@ def reference(default_model_dir, prompts):
                                                                                        use_tqdm=False)]
 
 
+@pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_greedy_identical_on_the_default_model(default_model_dir, prompts, reference, method):
-    spec = {"method": method, "num_speculative_tokens": 3}
+def test_greedy_identical_on_the_default_model(default_model_dir, prompts, reference, method, k):
+    spec = {"method": method, "num_speculative_tokens": k}
     if method == "draft_model":
         spec["model"] = str(default_model_dir)
     llm = LLM(default_model_dir, speculative_config=spec, **ENGINE)
