@@ -165,7 +165,7 @@ class DraftModel:
             buf = self.tp.broadcast(buf)
             accepted = buf[1].tolist()  # waits for the verdict: the positions below depend on it
         first, positions = [], []
-        for s, state in rows:
+        for s, _ in rows:
             end = s.num_computed_tokens + s.num_new_tokens  # the sampled token's position for a plain row
             j = spec_row.get(s.request_id)
             if j is None:
