@@ -31,3 +31,10 @@ def freeze_startup_objects() -> None:
     view, so a collection while serving walks only what serving allocated."""
     gc.collect()
     gc.freeze()
+
+
+def unfreeze_objects() -> None:
+    """Undo freeze_startup_objects when an engine shuts down: frozen objects are never collected, so a reference
+    cycle through a stopped engine (its model, KV cache, CUDA graphs) would hold its device memory for good, and a
+    process that starts another engine after it (benchmarks comparing modes, tests) would run out."""
+    gc.unfreeze()

@@ -15,7 +15,7 @@ from surge.core.kv_cache.manager import KVCacheManager
 from surge.core.request import Request, RequestStatus
 from surge.core.scheduler import Scheduler
 from surge.core.scheduler_output import SchedulerOutput
-from surge.distributed.lifecycle import freeze_startup_objects
+from surge.distributed.lifecycle import freeze_startup_objects, unfreeze_objects
 from surge.engine.input_processor import load_tokenizer
 from surge.kv_transfer.base import KVConnectorRole
 from surge.kv_transfer.factory import create_connector
@@ -130,10 +130,12 @@ class EngineCore:
         self.structured_output.remove(request_ids)
 
     def shutdown(self) -> None:
-        """Stop worker ranks, if any (also done at exit, or when the engine is collected), and the connector."""
+        """Stop worker ranks, if any (also done at exit, or when the engine is collected), and the connector; give
+        the engine's objects back to the garbage collector."""
         self.executor.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+        unfreeze_objects()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

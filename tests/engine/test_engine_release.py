@@ -1,0 +1,22 @@
+"""A shut-down engine's memory comes back: start-up freezes its objects out of the collector's view (gc.freeze),
+and shutdown must hand them back, or a reference cycle through the engine keeps its model and KV cache for good."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+from surge.engine.args import EngineArgs
+from surge.engine.core import EngineCore
+
+
+def test_shutdown_releases_the_model_and_kv_cache():
+    engine = EngineCore(EngineArgs(preset="tiny-llama", load_format="dummy", device="cpu", max_model_len=256,
+                                   kv_cache_memory=1 << 22).create_engine_config())
+    runner = engine.executor.runner
+    model, cache = weakref.ref(runner.model), weakref.ref(runner.kv_caches[0])
+    runner.cycle = runner  # a cycle through the engine's objects, as real ones (closures, back references) make
+    assert gc.isenabled()
+    engine.shutdown()
+    del engine, runner
+    gc.collect()
+    assert model() is None and cache() is None
