@@ -76,7 +76,9 @@ class _MaskTimer:
 def _run(engine: EngineCore, workload, params: SamplingParams) -> tuple[float, dict[str, int]]:
     block = engine.config.cache_config.block_size
     for i, (prompt, out_len) in enumerate(workload):
-        p = params.clone(max_tokens=out_len, min_tokens=out_len, _eos_token_ids=engine.config.model_config.eos_token_ids)
+        # Exactly out_len tokens: EOS ignored (under the schema it cannot come before the schema is complete, and
+        # the schema is longer than any run; min_tokens cannot hold a grammar's end).
+        p = params.clone(max_tokens=out_len, ignore_eos=True, _eos_token_ids=engine.config.model_config.eos_token_ids)
         engine.add_request(Request(str(i), prompt, p, block))
     counts = {str(i): 0 for i in range(len(workload))}
     _sync(engine.config.device)

@@ -167,7 +167,10 @@ class EngineCore:
         """Schedule and run one step; returns the outputs of the step that finished. With async scheduling that is
         the step before: this one is launched first, so the host's work for it overlaps the device's for that one."""
         outputs: list[EngineCoreOutput] = []
-        overlap = self.async_scheduling and not self.scheduler.needs_output_history()
+        # Speculation steps synchronously: drafts come after a request's last token, which is never on the host
+        # while a step is in flight (the H200 run proposed nothing under async scheduling).
+        overlap = (self.async_scheduling and not self.scheduler.needs_output_history()
+                   and self.config.speculative_config is None)
         if self._in_flight is not None and not overlap:
             outputs = self._finish_in_flight()
         sched_out = self.scheduler.schedule()
