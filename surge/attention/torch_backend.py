@@ -57,15 +57,17 @@ class TorchAttentionBackend(AttentionBackend):
             plan = self._plan(meta, sliding_window, k_cache.shape[1], q.dtype)
             out[plan.token_idx] = self._decode(q, k_slots, v_slots, meta, sliding_window, scale, k_cache.shape[1])
         block_size = k_cache.shape[1]
+        for r, rows in _fresh_runs(meta, sliding_window):  # nothing cached before: plain causal attention
+            start, end = qsl[r], qsl[r + rows]
+            shape = (rows, (end - start) // rows) + q.shape[1:]
+            kv_shape = shape[:2] + k.shape[1:]
+            out[start:end] = _sdpa(q[start:end].reshape(shape), k[start:end].reshape(kv_shape),
+                                   v[start:end].reshape(kv_shape), None, scale).reshape(end - start, *q.shape[1:])
         for r in range(meta.num_reqs):
             start, end = qsl[r], qsl[r + 1]
             num_new = end - start
-            if num_new == 1:
-                continue
             seq_len = meta.seq_lens[r]
-            if seq_len == num_new and sliding_window is None:  # nothing cached before: plain causal attention
-                out[start:end] = _sdpa(q[start:end].unsqueeze(0), k[start:end].unsqueeze(0),
-                                       v[start:end].unsqueeze(0), None, scale).squeeze(0)
+            if num_new == 1 or (seq_len == num_new and sliding_window is None):  # done above
                 continue
             # Keys from the first one the first query may see: a sliding window's older blocks may be gone.
             first = 0 if sliding_window is None else max(0, seq_len - num_new - sliding_window + 1)
@@ -123,6 +125,23 @@ def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, block_size
     slots = torch.where(visible, slots, slots.gather(1, q_pos))  # hidden positions read the current token
     mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
     return DecodePlan(token_idx, slots.reshape(-1), mask[:, None, None, :], len(rows), length)
+
+
+def _fresh_runs(meta: AttentionMetadata, sliding_window: int | None) -> list[tuple[int, int]]:
+    """(first row, rows) of each run of consecutive prefill rows with nothing cached and the same length: one SDPA
+    each, batched over its rows, as HF runs a padded batch (a step of equal prompts is one call per layer)."""
+    if sliding_window is not None:
+        return []
+    qsl, runs = meta.query_start_loc, []
+    for r in range(meta.num_reqs):
+        num_new = qsl[r + 1] - qsl[r]
+        if num_new == 1 or meta.seq_lens[r] != num_new:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == r and qsl[r] - qsl[r - 1] == num_new:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((r, 1))
+    return runs
 
 
 def _slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -70,9 +70,10 @@ def _reference(q, keys, values, requests, window, scale):
 DECODE = [(0, 1), (5, 1), (16, 1), (38, 1)]
 MIXED = [(0, 1), (16, 1), (38, 1), (0, 7), (21, 12), (5, 33)]
 PREFILL = [(0, 9), (13, 6)]
+FRESH = [(0, 5), (0, 5), (0, 5), (0, 8), (0, 8), (3, 5), (0, 5), (0, 1)]  # runs of equal fresh prompts, batched
 
 
-@pytest.mark.parametrize("requests", [DECODE, MIXED, PREFILL], ids=["decode", "mixed", "prefill"])
+@pytest.mark.parametrize("requests", [DECODE, MIXED, PREFILL, FRESH], ids=["decode", "mixed", "prefill", "fresh"])
 @pytest.mark.parametrize("heads,window", [((4, 2), None), ((6, 2), 7), ((2, 2), 3), ((3, 1), 16)])
 def test_matches_reference_with_nan_in_unwritten_slots(requests, heads, window):
     q, k, v, cache, common, slots, tables, keys, values = _batch(requests, *heads, 16, window, seed=11)

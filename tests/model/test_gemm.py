@@ -49,3 +49,57 @@ def test_cpu_inference_uses_onednn_and_autograd_does_not():
     y = gemm.linear(x, w)
     y.sum().backward()
     torch.testing.assert_close(x.grad, w.sum(0).expand(4, 8))
+
+
+@pytest.mark.skipif(not gemm._ONEDNN, reason="this torch has no oneDNN")
+def test_packed_copy_follows_the_weight():
+    """A layer's packed copy gives the plain weight's results, and is packed again after the weight changes: in
+    place through the layer's parameter, rebound, or loaded through load_weights (which writes param.data)."""
+    from surge.model.layers.linear import Linear
+    from surge.model.loader.safetensors_loader import load_weights
+
+    layer = Linear(64, 40)
+    x = torch.randn(16, 64)
+
+    def check():
+        with torch.inference_mode():
+            got = layer(x)
+        torch.testing.assert_close(got.double(), F.linear(x.double(), layer.weight.double()), atol=1e-5, rtol=1e-5)
+
+    with torch.no_grad():
+        layer.weight.normal_()
+    check()
+    packed = layer._onednn_weight[1]
+    check()
+    assert layer._onednn_weight[1] is packed  # reused while the weight is unchanged
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    check()
+    layer.weight = torch.nn.Parameter(torch.randn(40, 64), requires_grad=False)
+    check()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = layer
+
+        def checkpoint_name_to_param(self, name):
+            return name, None
+
+    load_weights(Model(), [("proj.weight", torch.randn(40, 64))], "test")
+    assert "_onednn_weight" not in layer.__dict__
+    check()
+    assert "_onednn_weight" not in layer.state_dict() and len(list(layer.parameters())) == 1
+
+
+def test_packing_can_be_turned_off(monkeypatch):
+    from surge.model.layers.linear import Linear
+
+    monkeypatch.setenv("SURGE_CPU_PACKED_WEIGHTS", "0")
+    layer = Linear(32, 8)
+    with torch.no_grad():
+        layer.weight.normal_()
+    with torch.inference_mode():
+        got = layer(torch.ones(2, 32))
+    assert "_onednn_weight" not in layer.__dict__
+    torch.testing.assert_close(got, layer.weight.sum(1).expand(2, 8), atol=1e-5, rtol=1e-5)

@@ -45,7 +45,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [n, V] on rank 0; None on the other ranks."""
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, owner=self)
         if self.tp_size == 1:
             return logits
         full = get_tp_group().gather(logits, dim=-1)

@@ -81,7 +81,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, owner=self)
 
 
 class MergedColumnParallelLinear(Linear):
@@ -173,6 +173,6 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        out = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+            return linear(x, self.weight, self.bias, owner=self)
+        out = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, owner=self)
         return get_tp_group().all_reduce(out)

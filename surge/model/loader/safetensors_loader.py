@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from surge.model.layers.gemm import drop_packed_weights
 from surge.model.layers.linear import default_weight_loader
 
 
@@ -47,6 +48,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         except ValueError as e:
             raise ValueError(f"{source}: tensor {name!r}: {e}") from None
         loaded.add(param_name)
+    drop_packed_weights(model)  # the CPU GEMM's packed copies predate these values
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"{source}: checkpoint lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -62,3 +64,4 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         else:
             param.normal_(0.0, 0.02, generator=gen)
 
+    drop_packed_weights(model)
