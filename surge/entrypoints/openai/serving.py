@@ -167,6 +167,12 @@ class OpenAIServing:
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None:
                 limits.check_logprobs(value, name)
+        if req.kv_transfer_params is not None:  # opaque to the server, but it crosses to the engine as msgpack
+            try:
+                msgspec.msgpack.encode(req.kv_transfer_params)
+            except (OverflowError, TypeError) as e:
+                raise bad_request(f"kv_transfer_params is invalid: {e} (integers must fit in 64 bits)",
+                                  param="kv_transfer_params") from None
         if req.temperature is not None and not 0.0 <= req.temperature <= MAX_TEMPERATURE:
             raise bad_request(f"temperature={req.temperature} is invalid: must be in [0, {MAX_TEMPERATURE}]",
                               param="temperature")

@@ -51,6 +51,10 @@ BIG_INTEGERS = [
     (COMPLETIONS, {"prompt": [BIG], "max_tokens": 2}, "prompt"),
     (RESPONSES, {"input": "hi", "seed": BIG}, "seed"),
     (RESPONSES, {"input": "hi", "top_k": -BIG}, "top_k"),
+    # Found by the fuzz test in CI: kv_transfer_params is opaque to the server but crosses to the engine.
+    (CHAT, {"messages": MSG, "max_tokens": 2, "kv_transfer_params": {"type": BIG}}, "kv_transfer_params"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "kv_transfer_params": {"a": [-BIG]}}, "kv_transfer_params"),
+    (RESPONSES, {"input": "hi", "kv_transfer_params": {"a": {"b": BIG}}}, "kv_transfer_params"),
 ]
 
 
