@@ -95,6 +95,16 @@ class RemoteServer:
                 samples[key] = samples.get(key, 0.0) + float(value)
         return samples
 
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """Metrics once nothing runs, waits or holds KV blocks (aborts land asynchronously), or at the timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (m["surge:num_requests_running"], m["surge:num_requests_waiting"], m["surge:kv_cache_usage_perc"])
+            if idle == (0.0, 0.0, 0.0) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.1)
+
     def client(self, **kwargs):
         import openai
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,

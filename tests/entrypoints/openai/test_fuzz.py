@@ -82,15 +82,6 @@ def _check(r: httpx.Response, stream: bool) -> None:
         r.json()
 
 
-def _wait_idle(server, timeout: float = 30.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        idle = (m["surge:num_requests_running"], m["surge:num_requests_waiting"], m["surge:kv_cache_usage_perc"])
-        if idle == (0.0, 0.0, 0.0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
-
 
 def test_fuzzed_requests_never_get_a_5xx(tiny_server):
     sent = []
@@ -112,7 +103,7 @@ def test_fuzzed_requests_never_get_a_5xx(tiny_server):
         assert sum(400 <= s < 500 for s in sent) > len(sent) // 2  # mostly refused: the mutations bite
         r = http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    m = _wait_idle(tiny_server)
+    m = tiny_server.wait_idle()
     assert m["surge:kv_cache_usage_perc"] == 0.0
     print(f"{len(sent)} requests in {elapsed:.1f} s: {sum(s == 200 for s in sent)} served, "
           f"{sum(400 <= s < 500 for s in sent)} refused")

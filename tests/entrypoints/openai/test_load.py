@@ -3,20 +3,9 @@ aborted; afterwards the KV cache is empty again (read through /metrics) and the 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 
-
-def _wait_idle(server, timeout: float = 30.0) -> dict[str, float]:
-    """Metrics once nothing runs, waits or holds KV blocks (aborts land asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        idle = (m["surge:num_requests_running"], m["surge:num_requests_waiting"], m["surge:kv_cache_usage_perc"])
-        if idle == (0.0, 0.0, 0.0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
 
 
 def test_200_concurrent_streams_complete(tiny_server):
@@ -44,7 +33,7 @@ def test_200_concurrent_streams_complete(tiny_server):
     results = asyncio.run(asyncio.wait_for(main(), 120))
     assert len(results) == 200
     assert all(finish == "length" and usage == 16 and text for text, finish, usage in results)
-    m = _wait_idle(tiny_server)
+    m = tiny_server.wait_idle()
     assert m["surge:kv_cache_usage_perc"] == 0.0
     assert (m["surge:num_requests_running"], m["surge:num_requests_waiting"]) == (0.0, 0.0)
     assert m["surge:generation_tokens_total"] - before["surge:generation_tokens_total"] == 200 * 16
@@ -83,7 +72,7 @@ def test_50_disconnects_mid_stream_abort_and_free(tiny_server):
 
     before = tiny_server.metrics()
     assert asyncio.run(asyncio.wait_for(main(), 60)) == [2] * 50
-    m = _wait_idle(tiny_server)
+    m = tiny_server.wait_idle()
     assert m["surge:kv_cache_usage_perc"] == 0.0
     assert (m["surge:num_requests_running"], m["surge:num_requests_waiting"]) == (0.0, 0.0)
     # Every one was aborted: none finished, and together they made far fewer tokens than they asked for.
@@ -109,7 +98,7 @@ def test_non_streaming_disconnect_aborts(tiny_server):
 
     before = tiny_server.metrics()
     asyncio.run(asyncio.wait_for(main(), 30))
-    m = _wait_idle(tiny_server)
+    m = tiny_server.wait_idle()
     assert m["surge:kv_cache_usage_perc"] == 0.0
     finished = {k: v - before.get(k, 0.0) for k, v in m.items() if k.startswith("surge:request_success_total")}
     assert not any(finished.values()), finished
