@@ -1,12 +1,17 @@
 """A shared-memory ring: one writer broadcasts byte messages to a fixed set of readers on the same node.
 
-Each slot has a `written` flag and one `read` flag per reader (single bytes, so every store is atomic). The writer
-fills a slot only once every reader has read it; a message larger than a slot streams through several. Waits spin
+Each slot has a `published` byte and one `read` flag per reader (single bytes, so every store is atomic). The writer
+fills a slot only once every reader has read it, then publishes it with the lap's tag (which pass over the ring this
+is, 1..255); a reader takes the slot when the tag is the one its own lap expects. Readiness is that one load: a
+check of two bytes (written, and not yet read by me) could see the old message's `written` and then the flag the
+writer had just cleared for the new one, and take a half-written slot. A message larger than a slot streams
+through several. Waits spin
 briefly (a step is milliseconds away), then sleep, and call `check` every few milliseconds so a dead peer ends
 the wait with its error instead of a hang.
 """
 from __future__ import annotations
 
+import _posixshmem
 import mmap
 import os
 import secrets
@@ -14,7 +19,6 @@ import struct
 import time
 from collections.abc import Callable
 
-import _posixshmem
 import msgspec
 
 _SPIN_SECONDS = 0.005  # busy-wait (yielding the CPU) this long before sleeping
@@ -132,7 +136,8 @@ class ShmRing:
         meta = slot * self._meta_stride
         buf = self._buf
         readers = range(meta + 1, meta + 1 + h.num_readers)
-        wait_until(lambda: not buf[meta] or all(buf[i] for i in readers), check, timeout, "a free ring slot")
+        if self._index >= h.num_slots:  # the slot holds the last lap's message until every reader has read it
+            wait_until(lambda: all(buf[i] for i in readers), check, timeout, "a free ring slot")
         buf[meta] = 0  # first unpublish, so no reader takes the slot while it is rewritten
         for i in readers:
             buf[i] = 0
@@ -140,8 +145,13 @@ class ShmRing:
         _CHUNK_HEADER.pack_into(buf, start, len(chunk), int(last))
         body = start + _CHUNK_HEADER.size
         buf[body:body + len(chunk)] = chunk
-        buf[meta] = 1
+        buf[meta] = self._lap_tag()
         self._index += 1
+
+    def _lap_tag(self) -> int:
+        """The published byte of the slot at this process's index: never 0 (unpublished), and a reader cannot fall
+        a whole 255 laps behind, since the writer waits for it."""
+        return (self._index // self.handle.num_slots) % 255 + 1
 
     # ---- reader ----
     def read(self, check: Callable[[], None] | None = None, timeout: float | None = None,
@@ -160,7 +170,8 @@ class ShmRing:
         meta = slot * self._meta_stride
         flag = meta + 1 + self.reader
         buf = self._buf
-        wait_until(lambda: buf[meta] and not buf[flag], check, timeout, "a message from the ring's writer", idle)
+        tag = self._lap_tag()
+        wait_until(lambda: buf[meta] == tag, check, timeout, "a message from the ring's writer", idle)
         start = self._data_offset + slot * h.slot_bytes
         length, last = _CHUNK_HEADER.unpack_from(buf, start)
         body = start + _CHUNK_HEADER.size
