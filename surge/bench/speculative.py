@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 
 import torch
 
@@ -111,6 +112,7 @@ def run_speculative_latency(args: argparse.Namespace) -> None:
         workload = _workload(args, plain, bs)
         tokens = sum(n for _, n in workload)
         before = _copy(spec.scheduler.spec_stats)
+        draft_before = Counter(_draft_counts(spec))
         t_plain = t_spec = float("inf")
         for _ in range(args.repeats):  # in turn, so a load that comes and goes hits both alike
             t, out_plain = _timed_run(plain, workload, 1)
@@ -124,6 +126,23 @@ def run_speculative_latency(args: argparse.Namespace) -> None:
               f"{t_plain / t_spec:.2f}x | acceptance rate {d.acceptance_rate:.1%}, mean accepted length "
               f"{d.mean_accepted_length:.2f} (per position {per_pos}); greedy identical: {out_plain == out_spec}",
               flush=True)
+        if _draft_counts(spec) is not None:
+            print(_draft_line(_draft_counts(spec) - draft_before), flush=True)
+
+
+def _draft_counts(engine: EngineCore) -> Counter | None:
+    """The draft model's forward and wait counters (surge/worker/draft_model.py), where its runner is in-process."""
+    draft = getattr(getattr(engine.executor, "runner", None), "draft", None)
+    return None if draft is None else draft.counts
+
+
+def _draft_line(c: Counter) -> str:
+    """Per step of the draft: its forward over the step's tokens and its k decode passes, by graph or eager, and
+    the host's waits for the device (one expected: the verdict)."""
+    n = max(c["steps"], 1)
+    return (f"draft model per step ({c['steps']} steps): step forward {c['step graph'] / n:.2f} graph + "
+            f"{c['step eager'] / n:.2f} eager, decode passes {c['pass graph'] / n:.2f} graph + "
+            f"{c['pass eager'] / n:.2f} eager, host waits {c['host waits'] / n:.2f}")
 
 
 class _AlwaysPropose:

@@ -6,10 +6,15 @@ the target's through chunked prefill, prefix-cache hits (a cached block holds bo
 recomputed). After sampling, it decodes k tokens greedily from each sampling request's new last token; those KV
 writes land in lookahead slots the scheduler reserved past the step's end, and the next step rewrites them.
 Greedy drafting makes q a point mass on each draft, which the rejection rule takes as it takes n-gram drafts.
+
+On the GPU every draft forward replays a CUDA graph: the step's (over the runner's buffers, the target's padding
+rule) and each decode pass (over the draft's own); the host waits for the device once per step, for the verdict.
+`counts` says how each forward ran and how often the host waited (bench latency prints them per step).
 """
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import numpy as np
 import torch
@@ -45,8 +50,12 @@ class DraftModel:
         logger.info("loaded the draft %s (%s, %d layers) for k=%d", mc.architecture, mc.dtype, mc.num_layers, self.k)
         self.kv_caches: list[torch.Tensor] = []
         self.inputs: StepInputs | None = None
-        self.graph_runner: CUDAGraphRunner | None = None
+        self.graph_runner: CUDAGraphRunner | None = None  # decode passes, over self.inputs
+        self.step_graphs: CUDAGraphRunner | None = None  # each step's forward, over the runner's StepInputs
         self.backend: AttentionBackend | None = None
+        # "steps"; "step graph" / "step eager", "pass graph" / "pass eager": draft forwards by how they ran;
+        # "host waits": device values the host read (each makes the host wait for the device's queue)
+        self.counts: Counter[str] = Counter()
 
     def bytes_per_block(self, block_size: int) -> int:
         """What one block id costs in the draft's layers (added to the target's when the cache is sized)."""
@@ -78,9 +87,19 @@ class DraftModel:
         self.inputs = StepInputs(sc.max_num_seqs, sc.max_num_seqs, -(-mc.max_model_len // cc.block_size),
                                  len(target.groups), cc.block_size, self.device)
         self._warm_up(backend)
-        if not self.config.enforce_eager and backend.supports_cuda_graphs:
-            self.graph_runner = CUDAGraphRunner(self.model, self.inputs, backend, sc.max_num_seqs, mc.max_model_len)
-            self.graph_runner.capture()
+
+    def capture_graphs(self, step_inputs: StepInputs) -> None:
+        """CUDA graphs of the draft, after the runner made its StepInputs: one set over the draft's own buffers for
+        the decode passes, one over the runner's for each step's forward (mixed steps included: eager, the step's
+        forward was ~10 launches per layer from the host every step, a verification's k + 1 tokens among them)."""
+        mc, sc = self.config.model_config, self.config.scheduler_config
+        if self.config.enforce_eager or self.backend is None or not self.backend.supports_cuda_graphs:
+            return
+        self.graph_runner = CUDAGraphRunner(self.model, self.inputs, self.backend, sc.max_num_seqs,
+                                            mc.max_model_len)
+        self.graph_runner.capture()
+        self.step_graphs = CUDAGraphRunner(self.model, step_inputs, self.backend, sc.max_num_seqs, mc.max_model_len)
+        self.step_graphs.capture()
 
     def _warm_up(self, backend: AttentionBackend) -> None:
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
@@ -91,7 +110,19 @@ class DraftModel:
         backend.warm_up(self.device, shapes, sizes, sc.max_num_seqs, self.config.warmup_workers)
 
     def forward_step(self, inputs: StepInputs, num_tokens: int, meta) -> None:
-        """The step's tokens through the draft, with the target's inputs and metadata: its KV for them."""
+        """The step's tokens through the draft, with the target's inputs and metadata: its KV for them. A graph
+        where the target's rule gives one (a decode batch, or a mixed step small enough), else eager."""
+        graphs, num_reqs = self.step_graphs, meta[0].num_reqs
+        if graphs is not None:
+            if meta[0].decode_only and graphs.padded_size(num_reqs):
+                self.counts["step graph"] += 1
+                graphs.replay(num_reqs)
+                return
+            if not meta[0].decode_only and graphs.mixed_size(num_tokens, num_reqs):
+                self.counts["step graph"] += 1
+                graphs.replay_mixed(num_tokens, num_reqs)
+                return
+        self.counts["step eager"] += 1
         self.model(inputs.input_ids[:num_tokens], inputs.positions[:num_tokens], meta)
 
     @torch.inference_mode()
@@ -103,7 +134,7 @@ class DraftModel:
         inp, bs = self.inputs, self.config.cache_config.block_size
         n, k = len(positions), self.k
         pos = np.asarray(positions, dtype=np.int64)[None, :] + np.arange(k, dtype=np.int64)[:, None]  # [k, n]
-        tables, slots = [], []
+        parts, widths = [pos.reshape(-1)], []
         for g in range(len(inp.block_tables)):
             rows = [b[g] for b in block_ids]
             width = max(1, max(len(r) for r in rows))
@@ -113,14 +144,17 @@ class DraftModel:
             col = pos // bs
             inside = col < np.asarray([len(r) for r in rows])[None, :]
             block = np.where(inside, table[np.arange(n)[None, :], np.minimum(col, width - 1)], 0)
-            slots.append(block * bs + pos % bs)  # [k, n]
-            tables.append(table)
-        host = torch.from_numpy(np.concatenate([pos.reshape(-1), *(s.reshape(-1) for s in slots)]))
-        dev = host.to(self.device, non_blocking=False)
-        pos_dev, slot_dev = dev[:k * n].view(k, n), dev[k * n:].view(len(slots), k, n)
-        for g, table in enumerate(tables):
+            parts += [(block * bs + pos % bs).reshape(-1), table.reshape(-1)]  # slots [k, n], the table [n, width]
+            widths.append(width)
+        dev = _to_device(np.concatenate(parts), self.device)  # one copy, queued: the host does not wait for it
+        pos_dev, o = dev[:k * n].view(k, n), k * n
+        slot_dev = []
+        for g, width in enumerate(widths):
+            slot_dev.append(dev[o:o + k * n].view(k, n))
+            o += k * n
             inp.block_tables[g][:n].zero_()
-            inp.block_tables[g][:n, :table.shape[1]].copy_(torch.from_numpy(table).to(self.device))
+            inp.block_tables[g][:n, :width].copy_(dev[o:o + n * width].view(n, width))
+            o += n * width
         inp.query_start_loc[:n + 1].copy_(torch.arange(n + 1, device=self.device))
         inp.input_ids[:n].copy_(first_tokens)
         drafts = torch.empty(n, k, dtype=torch.int64, device=self.device)
@@ -128,13 +162,15 @@ class DraftModel:
         for j in range(k):
             inp.positions[:n].copy_(pos_dev[j])
             inp.seq_lens[:n].copy_(pos_dev[j] + 1)
-            for g in range(len(tables)):
-                inp.slot_mapping[g][:n].copy_(slot_dev[g, j])
+            for g, slots in enumerate(slot_dev):
+                inp.slot_mapping[g][:n].copy_(slots[j])
             seq_lens = (pos[j] + 1).tolist()
             meta = inp.metadata(self.backend, n, n, list(range(n + 1)), seq_lens, 1, max(seq_lens))
             if graphs is not None and graphs.padded_size(n):
+                self.counts["pass graph"] += 1
                 hidden = graphs.replay(n)
             else:
+                self.counts["pass eager"] += 1
                 hidden = self.model(inp.input_ids[:n], inp.positions[:n], meta)
             logits = self.model.compute_logits(hidden)  # rank 0 only
             nxt = logits.argmax(dim=-1) if logits is not None else torch.empty(n, dtype=torch.int64,
@@ -158,12 +194,12 @@ class DraftModel:
             spec_row = {rid: j for j, rid in enumerate(ids)}
             buf = torch.zeros(2, len(ids), dtype=torch.int64, device=self.device)
             if out is not None:
-                k_plus_1 = torch.tensor(num_drafts, device=self.device) + 1
-                starts = torch.cumsum(k_plus_1, 0) - k_plus_1
-                buf[0] = out.token_ids[starts + out.num_accepted]
+                starts = np.cumsum([0] + [k + 1 for k in num_drafts[:-1]], dtype=np.int64)  # each request's rows
+                buf[0] = out.token_ids[_to_device(starts, self.device) + out.num_accepted]
                 buf[1] = out.num_accepted
             buf = self.tp.broadcast(buf)
-            accepted = buf[1].tolist()  # waits for the verdict: the positions below depend on it
+            self.counts["host waits"] += 1
+            accepted = buf[1].tolist()  # the step's one wait, for the verdict: the positions below depend on it
         first, positions = [], []
         for s, _ in rows:
             end = s.num_computed_tokens + s.num_new_tokens  # the sampled token's position for a plain row
@@ -174,5 +210,13 @@ class DraftModel:
             else:
                 first.append(buf[0, j])
                 positions.append(end - len(s.spec_token_ids) + accepted[j])
+        self.counts["steps"] += 1
         drafts = self.propose(torch.stack(first), positions, [state.block_ids for _, state in rows])
         return [s.request_id for s, _ in rows], drafts
+
+
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host values to the device through pinned memory, queued behind the device's work (a plain copy of pageable
+    memory would make the host wait for all of it first)."""
+    t = torch.from_numpy(values)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

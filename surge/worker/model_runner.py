@@ -133,6 +133,8 @@ class ModelRunner:
             self.graph_runner = CUDAGraphRunner(self.model, self.inputs, self.backend, sc.max_num_seqs,
                                                 mc.max_model_len)
             self.graph_runner.capture()
+        if self.draft is not None:  # its graphs: decode passes over its buffers, each step's forward over these
+            self.draft.capture_graphs(self.inputs)
 
     # ---- start-up ----
     def _warm_up_kernels(self) -> float:

@@ -84,8 +84,7 @@ def _verify_greedy(work: torch.Tensor, requests, num_drafts: list[int], device: 
 
 def _finish(logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor, accepted: torch.Tensor,
             num_drafts: list[int]) -> VerifyResult:
-    device = logits.device
-    result = VerifyResult(token_ids, num_accepted(accepted, device_tensor(num_drafts, device, torch.long)))
+    result = VerifyResult(token_ids, num_accepted(accepted, num_drafts))
     max_n = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
     if max_n is not None:  # from the raw logits, as the sampler's
         result.logprobs = compute_token_logprobs(logits, token_ids, max_n)

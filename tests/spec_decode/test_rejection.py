@@ -69,7 +69,9 @@ def test_point_mass_draft_gives_the_target():
 
 def test_num_accepted_counts_the_leading_run():
     accepted = torch.tensor([True, False, True, True, True, False, True])
-    assert num_accepted(accepted, torch.tensor([3, 2, 0, 2])).tolist() == [1, 2, 0, 0]
+    assert num_accepted(accepted, [3, 2, 0, 2]).tolist() == [1, 2, 0, 0]
+    assert num_accepted(torch.tensor([True, True]), [2]).tolist() == [2]  # all accepted: k itself
+    assert num_accepted(torch.zeros(0, dtype=torch.bool), [0, 0]).tolist() == [0, 0]
 
 
 @dataclass

@@ -25,3 +25,18 @@ def test_latency_with_speculation_prints_the_comparison(tmp_path, capsys):
     assert main(common + spec + ["--verify-cost", "--input-len", "16"]) in (0, None)
     out = capsys.readouterr().out
     assert len(re.findall(r"verification step of k=3 \(\d+ tokens\) +\d+\.\d+ ms: \d+\.\d\dx a decode step", out)) == 2
+
+
+def test_latency_with_a_draft_model_prints_how_its_forwards_ran(tmp_path, capsys):
+    """On the CPU (no graphs) every draft forward is eager: one over the step's tokens and k decode passes."""
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    spec = f'{{"method": "draft_model", "model": "{model_dir}", "num_speculative_tokens": 3}}'
+    assert main(["bench", "latency", "--model", str(model_dir), "--device", "cpu", "--kv-cache-memory",
+                 str(1 << 22), "--max-model-len", "512", "--batch-sizes", "1", "--output-len", "12", "--repeats", "1",
+                 "--workload", "quote", "--speculative-config", spec]) in (0, None)
+    out = capsys.readouterr().out
+    assert "greedy identical: True" in out
+    m = re.search(r"draft model per step \((\d+) steps\): step forward 0\.00 graph \+ (\d\.\d\d) eager, decode passes "
+                  r"0\.00 graph \+ (\d\.\d\d) eager, host waits (\d\.\d\d)", out)
+    assert m and int(m[1]) > 0, out
+    assert 1.0 <= float(m[2]) <= 2.0 and float(m[3]) == 3.0 and float(m[4]) <= 1.0
