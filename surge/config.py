@@ -399,6 +399,9 @@ class StructuredOutputsConfig:
     tokenizer: str | None = None
 
 
+CUDA_GRAPH_CAPTURE_MODES = ("background", "startup")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -409,6 +412,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs (always so off CUDA)
     warmup_workers: int = 1  # kernel warm-up compile threads; 1 is serial (the default), kernels opt in to more
+    # "background": start-up captures the batch-1 decode graph, a thread the rest while the engine serves (one GPU
+    # only; under tensor parallelism every graph is captured at start-up). "startup": every graph before serving.
+    cuda_graph_capture: str = "background"
     weight_cache_config: WeightCacheConfig = field(default_factory=WeightCacheConfig)
     kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
@@ -417,3 +423,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not (isinstance(self.warmup_workers, int) and 1 <= self.warmup_workers <= 64):
             raise ValueError(f"warmup_workers={self.warmup_workers!r} must be an integer in [1, 64] (1: serial)")
+        if self.cuda_graph_capture not in CUDA_GRAPH_CAPTURE_MODES:
+            raise ValueError(f"cuda_graph_capture={self.cuda_graph_capture!r} must be one of "
+                             f"{', '.join(CUDA_GRAPH_CAPTURE_MODES)}")

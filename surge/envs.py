@@ -41,12 +41,20 @@ def _cpu_packed_weights() -> bool:
     return os.environ.get("SURGE_CPU_PACKED_WEIGHTS", "1") not in ("0", "false", "False", "")
 
 
+def _triton_key_cache() -> bool:
+    """SURGE_TRITON_KEY_CACHE: reuse Triton's own version key (a hash of its compiler and its ~100 MB library,
+    which every process otherwise recomputes before its first kernel: ~0.4 s of start-up) while those files keep
+    their size and modification time; kept beside the compiled kernels. 0 turns it off. Default 1."""
+    return os.environ.get("SURGE_TRITON_KEY_CACHE", "1") not in ("0", "false", "False", "")
+
+
 _GETTERS = {
     "SURGE_API_KEY": _api_key,
     "SURGE_CACHE_DIR": _cache_dir,
     "SURGE_CPU_PACKED_WEIGHTS": _cpu_packed_weights,
     "SURGE_LOG_LEVEL": _log_level,
     "SURGE_RANK_TIMEOUT": _rank_timeout,
+    "SURGE_TRITON_KEY_CACHE": _triton_key_cache,
     "SURGE_WEIGHT_CACHE_DIR": _weight_cache_dir,
 }
 

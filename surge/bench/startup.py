@@ -3,6 +3,11 @@ each engine in a fresh process: weight-load seconds (with GB/s), time from proce
 that time went (interpreter + imports, CUDA context, weights, KV cache allocation, kernel warm-up, CUDA graph
 capture, the rest of the engine's construction, the first step).
 
+Both engines use one private set of on-disk caches, empty for the cold start and as it left them for the warm one (a
+restart on the same node): Triton's compiled kernels, and Python's bytecode where the environment would not write it
+(PYTHONDONTWRITEBYTECODE, as some images set, makes every process compile torch's ~2,000 modules from source:
+seconds of imports that an installed package does not pay). `--no-bytecode-cache` measures the environment as is.
+
 `--preset NAME --checkpoint-dir DIR` first writes the preset's random weights there as an HF checkpoint (kept for
 later runs). There is no tokenizer: the prompt is random token ids. The daemons are started in a private temporary
 directory and stopped afterwards, unless --use-daemon names the socket directory of running ones.
@@ -41,13 +46,21 @@ def add_startup_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", type=int, default=16, help="prompt tokens of the first request")
     g.add_argument("--parity", action="store_true", help="then compare the daemon's tensors with a disk load "
                    "(names, shapes, dtypes, strides, sha256; tensor_parallel_size 1)")
+    g.add_argument("--bytecode-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the engines' Python bytecode in the benchmark's cache directory even where the "
+                   "environment disables writing it (default: on; --no-bytecode-cache: the environment as is)")
     g.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed to each engine process and to the "
                    "daemons' start")
 
 
-def _env() -> dict:
+def _env(cache_dir: str | None = None, bytecode: bool = False) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    if cache_dir is not None:
+        env["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
+        if bytecode:
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+            env["PYTHONPYCACHEPREFIX"] = os.path.join(cache_dir, "pycache")
     return env
 
 
@@ -72,12 +85,17 @@ def child_main() -> None:
     first_token_at = time.monotonic()
     runner = getattr(engine.executor, "runner", None)  # the in-process runner's phases (tp == 1) only
     graphs = runner.graph_runner if runner is not None else None
+    if graphs is not None:
+        graphs.wait()  # the graphs captured while serving: when the last one was ready
+    graphs_done_at = time.monotonic()
     print(_RESULT + json.dumps({"load_seconds": engine.executor.load_seconds, "imported_at": imported_at,
                                 "cuda_seconds": cuda_seconds, "ready_at": ready_at,
                                 "first_token_at": first_token_at,
                                 "kv_cache_seconds": runner.kv_cache_seconds if runner is not None else 0.0,
                                 "warmup_seconds": runner.warmup_seconds if runner is not None else 0.0,
-                                "capture_seconds": graphs.capture_seconds if graphs is not None else 0.0}),
+                                "capture_seconds": graphs.capture_seconds if graphs is not None else 0.0,
+                                "background_capture_seconds": graphs.background_seconds if graphs else 0.0,
+                                "graphs_done_at": graphs_done_at}),
           flush=True)
     engine.shutdown()
 
@@ -92,12 +110,12 @@ def phases(r: dict) -> list[tuple[str, float]]:
                ("first step", r["ttft_from_start"] - r["ready_from_start"])])
 
 
-def _run_child(engine: EngineArgs, input_len: int, timeout: float, what: str) -> dict:
+def _run_child(engine: EngineArgs, input_len: int, timeout: float, what: str, env: dict) -> dict:
     print(f"{what}: starting a fresh engine process", flush=True)
     spawned_at = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", "from surge.bench.startup import child_main; child_main()"],
                           input=json.dumps({"engine": dataclasses.asdict(engine), "input_len": input_len}),
-                          stdout=subprocess.PIPE, text=True, env=_env(), timeout=timeout)
+                          stdout=subprocess.PIPE, text=True, env=env, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{what}: the engine process exited with code {proc.returncode} (its log is above)")
@@ -105,9 +123,14 @@ def _run_child(engine: EngineArgs, input_len: int, timeout: float, what: str) ->
     result["ttft_from_start"] = result["first_token_at"] - spawned_at
     result["ready_from_start"] = result["ready_at"] - spawned_at
     result["imports_from_start"] = result["imported_at"] - spawned_at
+    result["graphs_from_start"] = result["graphs_done_at"] - spawned_at
+    background = (f" (+{result['background_capture_seconds']:.2f} s while serving, every graph ready "
+                  f"{result['graphs_from_start']:.2f} s after the start)" if result["background_capture_seconds"]
+                  else "")
     print(f"{what}: weights in {result['load_seconds']:.2f} s, kernel warm-up {result['warmup_seconds']:.2f} s, "
-          f"CUDA graph capture {result['capture_seconds']:.2f} s, ready {result['ready_from_start']:.2f} s and "
-          f"first token {result['ttft_from_start']:.2f} s after the process started", flush=True)
+          f"CUDA graph capture {result['capture_seconds']:.2f} s{background}, ready "
+          f"{result['ready_from_start']:.2f} s and first token {result['ttft_from_start']:.2f} s after the process "
+          "started", flush=True)
     return result
 
 
@@ -204,7 +227,29 @@ def run_startup(args: argparse.Namespace) -> int:
     print(f"startup of {mc.model}: {mc.architecture}, {mc.dtype}, tp={config.parallel_config.tensor_parallel_size}, "
           f"{config.device}, {weights / 1e9:.2f} GB of weights", flush=True)
 
-    cold = _run_child(engine, args.input_len, args.timeout, "cold start (disk)")
+    cache_dir = tempfile.mkdtemp(prefix="surge-startup-caches-")
+    env = _env(cache_dir, args.bytecode_cache)
+    print(f"caches: Triton kernels{' and Python bytecode' if args.bytecode_cache else ''} in {cache_dir}, empty "
+          "for the cold start", flush=True)
+    try:
+        cold = _run_child(engine, args.input_len, args.timeout, "cold start (disk)", env)
+        warm = _warm_start(args, engine, env)
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    _report(cold, warm, weights)
+    parity = warm.pop("parity")
+    if parity is not None:
+        if parity:
+            print(f"parity: {len(parity)} difference(s) between the daemon's tensors and a disk load:")
+            for line in parity[:20]:
+                print(f"  {line}")
+            return 1
+        print("parity: the daemon's tensors equal a disk load (names, shapes, dtypes, strides, sha256)")
+    return 0
+
+
+def _warm_start(args: argparse.Namespace, engine: EngineArgs, env: dict) -> dict:
+    """The daemons (started here unless --use-daemon), then an engine that takes its weights from them."""
     tmp_dir = None if args.use_daemon else tempfile.mkdtemp(prefix="surge-wc-")
     socket_dir = args.use_daemon or tmp_dir
     daemons = None
@@ -216,7 +261,7 @@ def run_startup(args: argparse.Namespace) -> int:
                   f"holding {_daemon_memory(Path(socket_dir)) / 1e9:.2f} GB", flush=True)
         warm_engine = dataclasses.replace(engine, load_format="weight_cache", weight_cache_dir=socket_dir,
                                           weight_cache_fallback=False)
-        warm = _run_child(warm_engine, args.input_len, args.timeout, "warm start (daemon)")
+        warm = _run_child(warm_engine, args.input_len, args.timeout, "warm start (daemon)", env)
         parity = None
         if args.parity and engine.tensor_parallel_size == 1 and engine.weight_cache_mode == "zero_copy":
             parity = _parity(warm_engine)
@@ -228,7 +273,11 @@ def run_startup(args: argparse.Namespace) -> int:
             daemons.stop()
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
+    warm["parity"] = parity
+    return warm
 
+
+def _report(cold: dict, warm: dict, weights: int) -> None:
     def row(name: str, r: dict) -> str:
         rate = weights / r["load_seconds"] / 1e9 if r["load_seconds"] > 0 else float("inf")
         return (f"{name:<16}{r['load_seconds']:>9.2f} s {rate:>8.1f} GB/s{r['ready_from_start']:>13.2f} s"
@@ -243,11 +292,6 @@ def run_startup(args: argparse.Namespace) -> int:
     for (name, cold_s), (_, warm_s) in zip(phases(cold), phases(warm)):
         print(f"{name:<24}{cold_s:>12.2f} s{warm_s:>14.2f} s")
     print(f"{'first token':<24}{cold['ttft_from_start']:>12.2f} s{warm['ttft_from_start']:>14.2f} s", flush=True)
-    if parity is not None:
-        if parity:
-            print(f"parity: {len(parity)} difference(s) between the daemon's tensors and a disk load:")
-            for line in parity[:20]:
-                print(f"  {line}")
-            return 1
-        print("parity: the daemon's tensors equal a disk load (names, shapes, dtypes, strides, sha256)")
-    return 0
+    if cold["background_capture_seconds"] or warm["background_capture_seconds"]:
+        print(f"{'every CUDA graph ready':<24}{cold['graphs_from_start']:>12.2f} s{warm['graphs_from_start']:>14.2f} s"
+              "   (captured while serving)", flush=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 import surge.weight_cache.ipc_loader  # noqa: F401 (registers the weight_cache load format)
-from surge.config import (WEIGHT_CACHE_MODES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
-                          ParallelConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
+from surge.config import (CUDA_GRAPH_CAPTURE_MODES, WEIGHT_CACHE_MODES, CacheConfig, EngineConfig, KVTransferConfig,
+                          ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
                           WeightCacheConfig)
 from surge.model.loader.base import load_formats
 from surge.model.models.registry import MODEL_REGISTRY
@@ -57,6 +57,7 @@ class EngineArgs:
     load_format: str = AUTO_LOAD_FORMAT
     enforce_eager: bool = False
     warmup_workers: int = 1
+    cuda_graph_capture: str = "background"  # or "startup": see EngineConfig
     weight_cache_dir: str | None = None
     weight_cache_mode: str = "zero_copy"
     weight_cache_fallback: bool = True
@@ -97,6 +98,9 @@ class EngineArgs:
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                        help="launch each step before the previous step's tokens reach the host (default: on with "
                        "CUDA)")
+        g.add_argument("--cuda-graph-capture", choices=CUDA_GRAPH_CAPTURE_MODES, default=d.cuda_graph_capture,
+                       help="background: capture the batch-1 decode graph at start-up and the others while "
+                       "serving (one GPU); startup: every graph before serving")
         g = p.add_argument_group("parallelism")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="ranks the model is split over")
@@ -188,6 +192,7 @@ class EngineArgs:
             seed=self.seed,
             enforce_eager=self.enforce_eager or device.type != "cuda",
             warmup_workers=self.warmup_workers,
+            cuda_graph_capture=self.cuda_graph_capture,
             weight_cache_config=weight_cache_config,
             kv_transfer_config=self.create_kv_transfer_config(),
             speculative_config=self.create_speculative_config(model_config, device),

@@ -8,10 +8,20 @@ are short on the device (a follow-up turn on a long cached prefix, a short promp
 launching ~10 kernels per layer one by one; as a graph they launch once. The attention kernel reads every length from device memory and sizes its grid by token and request capacity, so
 one capture serves every layout. Graphs capture views of StepInputs' persistent buffers, so a replay only needs
 those buffers filled.
+
+Start-up captures only the decode graph of batch 1 (with the warm-up runs every first capture needs) when
+`capture_rest_in_background` follows: a thread captures the others one by one while the engine serves, and each
+graph serves from the moment it is published; until then a step runs eagerly, or replays a larger graph. The
+thread never runs the model: a capture records launches without executing them, so it reads no buffer the engine
+is filling and writes no KV; it captures in CUDA's thread-local mode, so the engine's own calls (allocations,
+synchronizations) on other streams stay legal meanwhile. Under tensor parallelism every graph is captured at
+start-up: a capture records collectives, whose order must match across ranks.
 """
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -57,7 +67,10 @@ class CUDAGraphRunner:
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_outputs: dict[int, torch.Tensor] = {}
         self.pool = None
-        self.capture_seconds = 0.0
+        self.capture_seconds = 0.0  # start-up's share (all of it without a background thread)
+        self.background_seconds = 0.0  # the thread's, once it has finished
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def _meta(self, bs: int):
         # Capacity-shaped metadata: kernels read lengths from the tensors, never from these host values.
@@ -68,47 +81,134 @@ class CUDAGraphRunner:
         return self.inputs.metadata(self.backend, num_tokens, self.mixed_reqs, list(range(self.mixed_reqs + 1)), [],
                                     max_query_len=num_tokens, max_seq_len=self.max_model_len, for_capture=True)
 
-    @torch.inference_mode()
-    def capture(self) -> float:
+    def _plan(self) -> list[tuple[str, int]]:
+        """Every graph, largest first (later ones reuse its pool memory): mixed token counts, then decode batches."""
+        return [("mixed", t) for t in reversed(self.mixed_sizes)] + [("decode", bs) for bs in reversed(self.sizes)]
+
+    def capture(self, first_only: bool = False) -> float:
+        """Capture every graph now; first_only: just the decode graph of batch 1, the rest to
+        capture_rest_in_background."""
         start = time.perf_counter()
-        inp = self.inputs
-        # Largest first: later graphs reuse its pool memory.
-        for t in reversed(self.mixed_sizes):
-            inp.pad_mixed(0, 0, t, self.mixed_reqs)
-            self.mixed_graphs[t], self.mixed_outputs[t] = self._capture_one(t, self._mixed_meta(t))
-        for bs in reversed(self.sizes):
-            inp.pad_decode(0, bs)
-            self.graphs[bs], self.outputs[bs] = self._capture_one(bs, self._meta(bs))
-        torch.cuda.synchronize()
+        plan = [("decode", 1)] if first_only else self._plan()
+        self._capture_all(plan, warm_first=True)
         seconds = self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (decode batch 1..%d, mixed steps of %s tokens) in %.2f s",
-                    len(self.sizes) + len(self.mixed_sizes), self.sizes[-1],
-                    f"{self.mixed_sizes[0]}..{self.mixed_sizes[-1]}" if self.mixed_sizes else "no", seconds)
+        if not first_only:
+            logger.info("captured %d CUDA graphs (%s) in %.2f s", len(plan), self._describe(), seconds)
         return seconds
 
-    def _capture_one(self, num_tokens: int, meta) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def capture_rest_in_background(self, on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Capture the graphs not captured yet on a thread; each serves once published."""
+        plan = [(kind, n) for kind, n in self._plan() if n not in (self.graphs if kind == "decode"
+                                                                    else self.mixed_graphs)]
+        device = self.inputs.input_ids.device
+
+        def run() -> None:
+            start = time.perf_counter()
+            try:
+                torch.cuda.set_device(device)
+                stream = torch.cuda.Stream(device)
+                with torch.cuda.stream(stream):  # this thread's cuBLAS handle and workspace, before any capture
+                    w = torch.ones(64, 64, device=device, dtype=self.model_dtype)
+                    torch.nn.functional.linear(w, w, w[0]).sum().item()
+                done = self._capture_all(plan, warm_first=False, stream=stream)
+            except BaseException as e:  # the engine serves on: a step without its graph runs eagerly
+                logger.exception("background CUDA graph capture failed; the steps it did not cover run eagerly")
+                if on_error is not None:
+                    on_error(e)
+                return
+            self.background_seconds = time.perf_counter() - start
+            logger.info("captured %d CUDA graphs in the background in %.2f s (%s)", done, self.background_seconds,
+                        self._describe())
+
+        self._thread = threading.Thread(target=run, name="surge-graph-capture", daemon=True)
+        self._thread.start()
+
+    @property
+    def capturing(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the background capture, if any, is done; False if it still runs after `timeout`."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return not self.capturing
+
+    def stop(self) -> None:
+        """End the background capture after the graph in progress (the engine is shutting down)."""
+        self._stop.set()
+        self.wait()
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _describe(self) -> str:
+        mixed = sorted(self.mixed_graphs)
+        return (f"decode batch 1..{max(self.graphs, default=0)}, mixed steps of "
+                f"{f'{mixed[0]}..{mixed[-1]}' if mixed else 'no'} tokens")
+
+    @torch.inference_mode()
+    def _capture_all(self, plan: list[tuple[str, int]], warm_first: bool,
+                     stream: torch.cuda.Stream | None = None) -> int:
+        """Capture `plan` in order on `stream` (a new side stream by default), publishing each graph as it is done.
+        Only start-up's first capture runs the model first (twice: autotuning, lazy allocations); every kernel
+        variant was compiled by the kernel warm-up, so later captures need no run. Unlike torch.cuda.graph, no
+        capture synchronizes the device or empties the caching allocator (its blocks serve the next capture).
+        Returns how many were captured."""
         inp = self.inputs
-        for _ in range(2):  # warm-up outside the graph (autotuning, lazy allocations)
+        stream = stream or torch.cuda.Stream(inp.input_ids.device)
+        done = 0
+        for i, (kind, n) in enumerate(plan):
+            if self._stop.is_set():
+                break
+            warm = 2 if warm_first and i == 0 else 0
+            if kind == "mixed":
+                if warm:
+                    inp.pad_mixed(0, 0, n, self.mixed_reqs)
+                graph, out = self._capture_one(n, self._mixed_meta(n), warm, stream)
+                self.mixed_outputs[n] = out
+                self.mixed_graphs[n] = graph  # published: the engine may replay it from now on
+            else:
+                if warm:
+                    inp.pad_decode(0, n)
+                graph, out = self._capture_one(n, self._meta(n), warm, stream)
+                self.outputs[n] = out
+                self.graphs[n] = graph
+            done += 1
+        stream.synchronize()
+        return done
+
+    def _capture_one(self, num_tokens: int, meta, warm: int,
+                     stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        inp = self.inputs
+        for _ in range(warm):
             self.model(inp.input_ids[:num_tokens], inp.positions[:num_tokens], meta)
-        torch.cuda.synchronize()
+        if warm:
+            torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model(inp.input_ids[:num_tokens], inp.positions[:num_tokens], meta)
+        with torch.cuda.stream(stream):
+            # Thread-local mode: another thread's allocations and synchronizations do not break this capture.
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                out = self.model(inp.input_ids[:num_tokens], inp.positions[:num_tokens], meta)
+            finally:
+                graph.capture_end()
         if self.pool is None:
             self.pool = graph.pool()
         return graph, out
 
     def padded_size(self, num_reqs: int) -> int | None:
-        for size in self.sizes:
-            if size >= num_reqs:
-                return size
-        return None
+        """The smallest captured decode graph of >= num_reqs rows (graphs only ever get added, so a size found
+        here is still there at the replay)."""
+        graphs = self.graphs
+        return next((size for size in self.sizes if size >= num_reqs and size in graphs), None)
 
     def mixed_size(self, num_tokens: int, num_reqs: int) -> int | None:
         """The mixed graph for a step of num_tokens tokens over num_reqs requests, if one covers it."""
         if num_reqs > self.mixed_reqs:
             return None
-        return next((t for t in self.mixed_sizes if t >= num_tokens), None)
+        graphs = self.mixed_graphs
+        return next((t for t in self.mixed_sizes if t >= num_tokens and t in graphs), None)
 
     def replay_mixed(self, num_tokens: int, num_reqs: int) -> torch.Tensor:
         """Inputs of a mixed step are already in the buffers; returns the hidden states of its num_tokens tokens."""

@@ -94,6 +94,8 @@ class UniProcExecutor:
         return self.execute_async(out).result()
 
     def shutdown(self) -> None:
+        if self.runner.graph_runner is not None:
+            self.runner.graph_runner.stop()
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.shutdown()
 

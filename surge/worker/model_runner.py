@@ -23,6 +23,7 @@ from surge.core.kv_connector import KVConnectorOutput
 from surge.core.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from surge.distributed.parallel_state import get_tp_group
 from surge.kernels.token_bitmask import apply_token_bitmask_
+from surge.kernels.triton_key import use_cached_triton_key
 from surge.kv_transfer.base import KVConnectorRole
 from surge.kv_transfer.factory import create_connector
 from surge.logger import init_logger
@@ -132,7 +133,11 @@ class ModelRunner:
         if not config.enforce_eager and self.backend.supports_cuda_graphs:
             self.graph_runner = CUDAGraphRunner(self.model, self.inputs, self.backend, sc.max_num_seqs,
                                                 mc.max_model_len)
-            self.graph_runner.capture()
+            # Under TP a capture records collectives, whose order must match on every rank: all at start-up.
+            background = config.cuda_graph_capture == "background" and self.tp.world_size == 1
+            self.graph_runner.capture(first_only=background)
+            if background:
+                self.graph_runner.capture_rest_in_background()
         if self.draft is not None:  # its graphs: decode passes over its buffers, each step's forward over these
             self.draft.capture_graphs(self.inputs)
 
@@ -146,6 +151,8 @@ class ModelRunner:
                                  tuple(sorted({t == "sliding_attention" for t in mc.layer_types})))
         sizes = capture_sizes(sc.max_num_seqs) if not self.config.enforce_eager else []
         start = time.perf_counter()
+        if self.device.type == "cuda":
+            use_cached_triton_key()
         compiled = self.backend.warm_up(self.device, shapes, sizes, sc.max_num_seqs, self.config.warmup_workers)
         seconds = time.perf_counter() - start
         if compiled:

@@ -33,3 +33,42 @@ def test_graph_replay_matches_eager():
     assert graphs.executor.runner.graph_runner is not None
     assert run_engine(engine(True), workload, show_progress=False) == run_engine(graphs, workload,
                                                                                  show_progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_background_capture_serves_while_capturing_and_matches_eager():
+    """Start-up captures the batch-1 graph; the rest land while requests run (steps before theirs run eagerly or
+    replay a larger graph). The tokens equal an eager engine's, during the capture and after it, and every graph
+    is there in the end. A shutdown during the capture stops it."""
+    from surge.bench.common import run_engine
+    from surge.engine.args import EngineArgs
+    from surge.engine.core import EngineCore
+
+    def engine(**kw) -> EngineCore:
+        return EngineCore(EngineArgs(preset="tiny-qwen3-hybrid", load_format="dummy", device="cuda",
+                                     max_num_seqs=64, max_model_len=512, kv_cache_memory=1 << 28,
+                                     **kw).create_engine_config())
+
+    workload = [([100 + i] * (5 + 7 * i), 24) for i in range(11)]
+    expected = run_engine(engine(enforce_eager=True), workload, show_progress=False)
+    bg = engine(cuda_graph_capture="background")
+    graphs = bg.executor.runner.graph_runner
+    assert 1 in graphs.graphs and graphs._thread is not None  # start-up's share; the rest on the thread
+    during = run_engine(bg, workload, show_progress=False)
+    assert graphs.wait(120) and graphs.background_seconds > 0
+    assert sorted(graphs.graphs) == graphs.sizes and sorted(graphs.mixed_graphs) == graphs.mixed_sizes
+    assert during == expected
+    assert run_engine(bg, workload, show_progress=False) == expected
+    bg.shutdown()
+
+    stopped = engine(cuda_graph_capture="background")
+    stopped.shutdown()  # joins the capture thread after its graph in progress
+    assert not stopped.executor.runner.graph_runner.capturing
+
+
+def test_cuda_graph_capture_mode_is_checked():
+    from surge.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match="cuda_graph_capture='later' must be one of background, startup"):
+        EngineArgs(preset="tiny-llama", load_format="dummy", device="cpu",
+                   cuda_graph_capture="later").create_engine_config()
