@@ -90,6 +90,9 @@ class EngineCore:
         self.structured_output = _structured_output_manager(config)
         # In-process runner: it asks for the step's masks after launching the forward, so they are filled (and the
         # token in flight awaited) while the device runs it. Worker ranks get them in the step message instead.
+        # The step before, when the masks awaited it: its outputs processed while they were filled (in-process), or
+        # the step itself, processed once this one is launched (worker ranks).
+        self._previous_outputs: list[EngineCoreOutput] | None = None
         self._previous: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         runner = getattr(self.executor, "runner", None)
         self._masks_deferred = runner is not None
@@ -196,7 +199,9 @@ class EngineCore:
             sched_out.grammar_bitmask = self._grammar_bitmask(sched_out)
         launched = self.executor.execute_async(sched_out)
         previous, self._previous = self._previous, None
-        if previous is not None:
+        if self._previous_outputs is not None:
+            outputs, self._previous_outputs = self._previous_outputs, None
+        elif previous is not None:
             outputs = self._process(*previous)
         elif self._in_flight is not None:
             outputs = self._finish_in_flight()
@@ -219,11 +224,18 @@ class EngineCore:
 
     def _grammar_bitmask(self, sched_out: SchedulerOutput):
         """The step's masks. A constrained request whose previous token is still in flight (async scheduling) needs
-        that token first: the step in flight is awaited here, its tokens advance the grammars, and step() processes
-        its outputs after launching this one."""
-        if self._in_flight is not None and self.structured_output.waits_for(self._in_flight[0], sched_out):
-            self._previous = self._take_in_flight()
-        return self.structured_output.bitmask(sched_out)
+        that token first: the step in flight is awaited here and its tokens advance the grammars. The in-process
+        runner asks after launching the forward: while llguidance fills the masks (without the GIL), the step
+        before's outputs are processed here, work the host would do after the launch anyway."""
+        if self._in_flight is None or not self.structured_output.waits_for(self._in_flight[0], sched_out):
+            return self.structured_output.bitmask(sched_out)
+        previous = self._take_in_flight()
+        if not self._masks_deferred:  # worker ranks: the forward waits for these masks, the outputs can wait
+            self._previous = previous
+            return self.structured_output.bitmask(sched_out)
+        masks = self.structured_output.fill_in_background(sched_out)
+        self._previous_outputs = self._process(*previous)
+        return masks()
 
     def _execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         result = self.executor.execute(sched_out)
@@ -276,5 +288,7 @@ def _structured_output_manager(config: EngineConfig) -> StructuredOutputManager:
     request; with a reasoning parser, each grammar starts after the model's closing marker."""
     so, mc = config.structured_outputs_config, config.model_config
     markers = REASONING_MARKERS[so.reasoning_parser] if so.reasoning_parser is not None else None
+    # Pinned masks when the runner here uploads them to a GPU; worker ranks get them as bytes in the step message.
+    pin = config.device.type == "cuda" and config.parallel_config.in_process
     return StructuredOutputManager(lambda: load_tokenizer(so.tokenizer or mc.model), mc.vocab_size,
-                                   mc.eos_token_ids, markers)
+                                   mc.eos_token_ids, markers, pin_memory=pin)

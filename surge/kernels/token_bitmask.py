@@ -11,6 +11,21 @@ import torch
 _BITS = {}  # device -> arange(8) as uint8
 
 
+def bitmask_to_device(buffer, num_rows: int, num_words: int, device: torch.device) -> torch.Tensor:
+    """A mask as the step carries it (bytes-like: num_rows x num_words little-endian int32 words) as a [num_rows,
+    num_words] int32 tensor on device. A writable buffer is read in place: the engine's own, pinned when the runner
+    is on CUDA, so the upload is one asynchronous copy (the engine does not refill it before the step has run). A
+    read-only one (bytes decoded from a step message) is first copied once into pinned memory from torch's caching
+    allocator, which keeps that block until the copy has run."""
+    words = np.frombuffer(buffer, dtype="<i4", count=num_rows * num_words).reshape(num_rows, num_words)
+    if words.flags.writeable:
+        host = torch.from_numpy(words)
+    else:
+        host = torch.empty((num_rows, num_words), dtype=torch.int32, pin_memory=device.type == "cuda")
+        host.numpy()[...] = words
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, use_numpy: bool | None = None) -> torch.Tensor:
     """[n, W] int32 words -> [n, vocab_size] bool, True where allowed (tokens past 32 * W are not). use_numpy (None:
     on the CPU) unpacks with numpy's unpackbits, one pass and twice as fast there as the torch ops."""

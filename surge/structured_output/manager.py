@@ -1,18 +1,21 @@
 """StructuredOutputManager: the engine core's grammars, one llguidance matcher per constrained request (per sample:
 n > 1 reaches the core as n requests), advanced with every token a step returns, and the step's bitmask.
 
-Masks are filled by llguidance's thread pool, in Rust with the GIL released, into one reused int32 buffer. The
+Masks are filled by llguidance's thread pool, in Rust with the GIL released, straight into the buffer the runner
+uploads from (pinned when it is on CUDA); the engine can do its own work meanwhile (fill_in_background). The
 tokenizer bridge is built on the first constrained request, so an engine that never sees one never pays for it.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
 import llguidance.numpy
-import numpy as np
+import torch
 
 from surge.core.scheduler_output import GrammarBitmask, SchedulerOutput
 from surge.logger import init_logger
@@ -45,8 +48,10 @@ class RequestGrammar:
 
 class StructuredOutputManager:
     def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, eos_token_ids: tuple[int, ...],
-                 reasoning: ReasoningMarkers | None = None, num_threads: int | None = None) -> None:
-        """load_tokenizer: returns the HF tokenizer (called once, on the first constrained request)."""
+                 reasoning: ReasoningMarkers | None = None, num_threads: int | None = None,
+                 pin_memory: bool = False) -> None:
+        """load_tokenizer: returns the HF tokenizer (called once, on the first constrained request). pin_memory: the
+        masks are uploaded to a CUDA device from this process (the in-process runner)."""
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -55,9 +60,12 @@ class StructuredOutputManager:
         self._hf_tokenizer = None
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
+        self._filler: ThreadPoolExecutor | None = None  # the thread that waits on llguidance for fill_in_background
         self.grammars: dict[str, RequestGrammar] = {}
         self.num_words = (vocab_size + 31) // 32
-        self._buffer = np.zeros((0, self.num_words), dtype=np.int32)
+        self._pin_memory = pin_memory
+        self._buffers = [torch.empty((0, self.num_words), dtype=torch.int32)] * 2  # used in turn, see _next_buffer
+        self._turn = 0
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar -> its matcher at start
 
     @property
@@ -67,6 +75,7 @@ class StructuredOutputManager:
             self._tokenizer = ll_tokenizer(self._hf_tokenizer, self.vocab_size, self.eos_token_ids)
             self.num_words = (self._tokenizer.vocab_size + 31) // 32
             self._executor = llguidance.LLExecutor(self.num_threads)
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="surge-grammar-fill")
         return self._tokenizer
 
     # ---- requests ----
@@ -132,15 +141,58 @@ class StructuredOutputManager:
     def bitmask(self, out: SchedulerOutput) -> GrammarBitmask | None:
         """The masks of the step's sampling requests whose grammar is active, filled in parallel (every token they
         returned must have been advanced first)."""
+        job = self._mask_job(out)
+        if job is None:
+            return None
+        mask, fill = job
+        fill()
+        return mask
+
+    def fill_in_background(self, out: SchedulerOutput) -> Callable[[], GrammarBitmask | None]:
+        """bitmask(out), filled while the caller goes on with other Python work: returns once llguidance has started
+        (its Rust code runs without the GIL), and the returned function waits for the masks."""
+        job = self._mask_job(out)
+        if job is None:
+            return lambda: None
+        mask, fill = job
+        started = threading.Event()
+
+        def run() -> None:
+            started.set()
+            fill()
+
+        done = self._filler.submit(run)
+        # A thread started while this one holds the GIL would wait for it (up to the interpreter's switch interval,
+        # 5 ms) before reaching llguidance; waiting here hands the GIL over until the fill has begun.
+        started.wait()
+
+        def result() -> GrammarBitmask:
+            done.result()
+            return mask
+        return result
+
+    def _mask_job(self, out: SchedulerOutput) -> tuple[GrammarBitmask, Callable[[], None]] | None:
+        """The step's mask (rows in the buffer to fill) and the call that fills them; None when no row is masked."""
         if not self.grammars:
             return None
         rows = [(g.matcher, s.request_id) for s in out.scheduled
                 if s.samples and (g := self.grammars.get(s.request_id)) is not None and g.active]
         if not rows:
             return None
-        if self._buffer.shape[0] < len(rows) or self._buffer.shape[1] != self.num_words:
-            self._buffer = np.zeros((max(len(rows), 2 * self._buffer.shape[0]), self.num_words), dtype=np.int32)
-        buffer = self._buffer[:len(rows)]
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, (m, _) in enumerate(rows)],
-                                                     buffer)
-        return GrammarBitmask([rid for _, rid in rows], self.num_words, buffer.astype("<i4", copy=False).tobytes())
+        buffer = self._next_buffer(len(rows))
+        matchers = [(m, i) for i, (m, _) in enumerate(rows)]
+        words = buffer.numpy()
+        mask = GrammarBitmask([rid for _, rid in rows], self.num_words, memoryview(words.reshape(-1)).cast("B"))
+        return mask, lambda: llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, words)
+
+    def _next_buffer(self, num_rows: int) -> torch.Tensor:
+        """num_rows rows of one of two buffers used in turn. The runner reads a step's mask in place (its upload is
+        queued with the step), and the engine has at most one step in flight and waits for it before scheduling the
+        next: when the step after next asks for masks, the step that last used this buffer has completed."""
+        self._turn ^= 1
+        buffer = self._buffers[self._turn]
+        if buffer.shape[0] < num_rows or buffer.shape[1] != self.num_words:
+            buffer = torch.empty((max(num_rows, 2 * buffer.shape[0]), self.num_words), dtype=torch.int32,
+                                 pin_memory=self._pin_memory)
+            self._buffers[self._turn] = buffer
+        return buffer[:num_rows]

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
-import numpy as np
 import torch
 
 from surge.attention.backend import AttentionMetadata, AttentionShapes, default_backend_name, get_backend
@@ -22,7 +21,7 @@ from surge.core.kv_cache.spec import KVCacheConfig, KVCacheGroup, build_kv_cache
 from surge.core.kv_connector import KVConnectorOutput
 from surge.core.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from surge.distributed.parallel_state import get_tp_group
-from surge.kernels.token_bitmask import apply_token_bitmask_
+from surge.kernels.token_bitmask import apply_token_bitmask_, bitmask_to_device
 from surge.kernels.triton_key import use_cached_triton_key
 from surge.kv_transfer.base import KVConnectorRole
 from surge.kv_transfer.factory import create_connector
@@ -350,13 +349,10 @@ class ModelRunner:
 
 def _apply_grammar(logits: torch.Tensor, mask: GrammarBitmask, sample_ids: list[str]) -> None:
     """Disallowed tokens of the constrained rows to -inf, before the sampler and logprobs read the logits."""
-    row_of = {rid: j for j, rid in enumerate(sample_ids)}
-    words = torch.from_numpy(np.frombuffer(mask.bitmask, dtype="<i4").reshape(len(mask.request_ids),
-                                                                              mask.num_words).copy())
-    if logits.device.type == "cuda":
-        words = words.pin_memory().to(logits.device, non_blocking=True)
+    words = bitmask_to_device(mask.bitmask, len(mask.request_ids), mask.num_words, logits.device)
     rows = None
     if mask.request_ids != sample_ids:
+        row_of = {rid: j for j, rid in enumerate(sample_ids)}
         rows = device_tensor([row_of[rid] for rid in mask.request_ids], logits.device, torch.long)
     apply_token_bitmask_(logits, words, rows)
 

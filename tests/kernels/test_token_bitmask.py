@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from surge.kernels.token_bitmask import apply_token_bitmask_, unpack_bitmask
+from surge.kernels.token_bitmask import apply_token_bitmask_, bitmask_to_device, unpack_bitmask
 
 
 def _reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -74,3 +74,13 @@ def test_unpack_and_bad_input():
     assert unpack_bitmask(mask, 4).tolist() == [[True, False, True, False]]
     with pytest.raises(ValueError, match="bitmask must be a 2-D int32"):
         apply_token_bitmask_(torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("writable", [True, False], ids=["engine-buffer", "step-message-bytes"])
+def test_bitmask_to_device_keeps_every_word(writable, device):
+    mask = _random_mask(3, 5, 7)
+    raw = mask.numpy().astype("<i4").tobytes()
+    buffer = memoryview(bytearray(raw)) if writable else raw
+    words = bitmask_to_device(buffer, 3, 5, torch.device(device))
+    assert words.dtype == torch.int32 and words.device.type == torch.device(device).type
+    assert words.cpu().tolist() == mask.tolist()

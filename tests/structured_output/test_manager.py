@@ -4,6 +4,7 @@ prefix is itself in the language. Rejected grammars are ValueErrors naming the f
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_models import VOCAB, byte_tokenizer
 
 from surge.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -29,8 +30,6 @@ def _step(*rids: str) -> SchedulerOutput:
 
 
 def _allowed(manager, out: SchedulerOutput) -> dict[str, set[int]]:
-    import torch
-
     mask = manager.bitmask(out)
     if mask is None:
         return {}
@@ -148,3 +147,39 @@ def test_min_tokens_is_refused_with_a_grammar():
     with pytest.raises(ValueError, match="min_tokens=3 is invalid: must be 0 with structured_outputs"):
         SamplingParams(min_tokens=3, structured_outputs=StructuredOutputsParams(regex="a+"))
     assert SamplingParams(min_tokens=3).min_tokens == 3
+
+
+def test_a_mask_outlives_the_next_step():
+    """Masks are read in place (the runner's upload runs with the step): the next step's fill must not overwrite the
+    mask of the step before, which may still be on its way to the device."""
+    manager = _manager()
+    _add(manager, "r", choice=["ab"])
+    first = manager.bitmask(_step("r"))
+    before = bytes(first.bitmask)
+    manager.advance({"r": [ord("a")]})
+    assert _allowed(manager, _step("r"))["r"] == {ord("b")}
+    assert bytes(first.bitmask) == before
+    rows = unpack_bitmask(torch.frombuffer(bytearray(before), dtype=torch.int32).view(1, -1), VOCAB)
+    assert set(rows[0].nonzero().flatten().tolist()) == {ord("a")}
+
+
+def test_masks_filled_in_the_background_are_the_same():
+    """fill_in_background gives the masks bitmask gives, while the calling thread runs Python meanwhile."""
+    so = {"json": {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}}, "required": ["a"]}}
+    sync, background = _manager(), _manager()
+    for m in (sync, background):
+        _add(m, "p", **so)
+        _add(m, "q", regex="[0-9]{2}")
+    for text in ('{"a":"yz"}', "42"):
+        for i in range(len(text) + 1):
+            step = _step("q", "p")
+            wait = background.fill_in_background(step)
+            busy = sum(range(10_000))  # the engine processes the previous step's outputs here
+            got, want = wait(), sync.bitmask(step)
+            assert busy and got.request_ids == want.request_ids == ["q", "p"]
+            assert bytes(got.bitmask) == bytes(want.bitmask)
+            if i < len(text):
+                rid = "p" if text.startswith("{") else "q"
+                for m in (sync, background):
+                    m.advance({rid: [ord(text[i])]})
+    assert background.fill_in_background(_step("x"))() is None  # no constrained row
