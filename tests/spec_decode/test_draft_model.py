@@ -82,12 +82,14 @@ def test_prefix_cache_hits_keep_the_drafts_kv(model_dirs):
     assert proposed > 0 and accepted == proposed
 
 
-def test_tensor_parallel(tmp_path):
+@pytest.mark.parametrize("extra", [{"tensor_parallel_size": 2}, {"async_scheduling": True}], ids=["tp2", "async"])
+def test_tensor_parallel_and_async_scheduling(tmp_path, extra):
+    """TP=2: the draft sharded like the target, rank 0's verdict broadcast. Async scheduling: steps with drafts run
+    synchronously (the drafts follow the verdict), and nothing is lost between them."""
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref = LLM(model_dir, kv_cache_memory=1 << 22, **BASE).generate(_prompts(), params, use_tqdm=False)
-    llm = LLM(model_dir, speculative_config=_spec(model_dir, 3), kv_cache_memory=1 << 22, tensor_parallel_size=2,
-              **BASE)
+    llm = LLM(model_dir, speculative_config=_spec(model_dir, 3), kv_cache_memory=1 << 22, **extra, **BASE)
     try:
         outs, (proposed, accepted) = _generate(llm, _prompts(), params)
     finally:

@@ -1,6 +1,7 @@
 """Speculation changes nothing a request asked for: penalties, min_tokens, stop token ids, stop strings, logprobs and
-max_tokens give the same output with n-gram drafts as without (greedy, so the reference is exact), and a stop that
-falls inside an accepted run of drafts truncates it there."""
+max_tokens give the same output with drafts as without (greedy, so the reference is exact), and a stop that falls
+inside an accepted run of drafts truncates it there. Both proposers: n-gram lookup, and a draft model (the target
+itself: its greedy drafts run long, and penalties or min_tokens make the target reject some)."""
 from __future__ import annotations
 
 import pytest
@@ -15,9 +16,19 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    model_dir = make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
-    return LLM(model_dir, **BASE), LLM(model_dir, speculative_config=SPEC, **BASE)
+def model_dir(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    return LLM(model_dir, **BASE)
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def engines(request, model_dir, plain):
+    spec = SPEC if request.param == "ngram" else {**SPEC, "method": "draft_model", "model": str(model_dir)}
+    return plain, LLM(model_dir, speculative_config=spec, **BASE), request.param
 
 
 def _run(llm: LLM, params: SamplingParams, prompts=None):
@@ -50,6 +61,8 @@ def _compare(engines, params: SamplingParams):
 @pytest.mark.parametrize("penalties", [dict(repetition_penalty=1.05), dict(frequency_penalty=0.05),
                                        dict(presence_penalty=0.1)], ids=["repetition", "frequency", "presence"])
 def test_penalties(engines, penalties):
+    if engines[2] == "draft_model" and "repetition_penalty" not in penalties:
+        pytest.skip("the penalties differ only in the verification, which both proposers share: one suffices here")
     _compare(engines, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **penalties))
 
 

@@ -91,3 +91,21 @@ def test_greedy_identical_under_async_scheduling_and_tensor_parallelism(tmp_path
         llm.engine.shutdown()
     assert outs[0][0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert outs[0][1].outputs[0].token_ids == outs[1][1].outputs[0].token_ids
+
+
+def test_greedy_identical_through_prefix_cache_hits(tmp_path):
+    """A second round whose prompts extend the first round's starts from cached blocks (both KV groups of the hybrid
+    model); drafts are verified over them as over computed ones."""
+    model_dir = make_tiny_model("qwen3-hybrid", tmp_path / "hybrid")
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    base = {"block_size": 4, "max_model_len": 128, "device": "cpu", "kv_cache_memory": 1 << 22}
+    again = [p + p[:5] for p in _prompts()]
+    ref = LLM(model_dir, enable_prefix_caching=False, **base).generate(again, params, use_tqdm=False)
+    llm = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **base)
+    llm.generate(_prompts(), params, use_tqdm=False)
+    stats = llm.engine.scheduler.spec_stats
+    before, hits = stats.num_accepted_tokens, llm.engine.kv_cache_manager.prefix_hits
+    outs = llm.generate(again, params, use_tqdm=False)
+    assert llm.engine.kv_cache_manager.prefix_hits > hits
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert stats.num_accepted_tokens > before
