@@ -4,7 +4,12 @@ of a step is a replay, none eager (the H200 ran each step's draft forward over t
 of host launches per step, 0.23x), with the host waiting for the device at most once per step."""
 from __future__ import annotations
 
+import warnings
+from collections import Counter
+
 import numpy as np
+import pytest
+import torch
 from test_draft_model import BASE, _generate, _spec
 from test_ngram import _prompts
 from tiny_models import make_tiny_model
@@ -76,3 +81,43 @@ def test_without_graphs_every_forward_is_eager(tmp_path):
     llm.generate(_prompts()[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     c = llm.engine.executor.runner.draft.counts
     assert c["step graph"] == c["pass graph"] == 0 and c["step eager"] > 0 and c["pass eager"] == 2 * c["steps"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_every_draft_forward_replays_and_the_host_waits_once_per_step(tmp_path):
+    """The real graph runners (tiny Llama as its own draft): output equal to decoding without speculation, no
+    eager draft forward, and inside the draft's work one synchronizing call per verified step (torch's sync debug
+    mode counts them: each is a wait for the device's whole queue)."""
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    engine = {"block_size": 16, "max_model_len": 256, "device": "cuda", "kv_cache_memory": 1 << 26,
+              "max_num_seqs": 8}
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = LLM(model_dir, **engine).generate(_prompts(), params, use_tqdm=False)
+    llm = LLM(model_dir, speculative_config=_spec(model_dir, 4), **engine)
+    draft = llm.engine.executor.runner.draft
+    assert draft.graph_runner is not None and draft.step_graphs is not None
+    syncs: Counter[str] = Counter()
+
+    def counted(name: str):
+        inner = getattr(draft, name)
+
+        def run(*args, **kwargs):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    syncs[name] += sum("synchroniz" in str(w.message) for w in caught)
+        return run
+
+    for name in ("forward_step", "propose_after"):
+        setattr(draft, name, counted(name))
+    outs, (proposed, accepted) = _generate(llm, _prompts(), params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert proposed > 0 and accepted > 0.9 * proposed  # near-ties may round apart between graph shapes
+    c = draft.counts
+    assert c["step eager"] == 0 and c["pass eager"] == 0 and c["pass graph"] == 4 * c["steps"], dict(c)
+    assert syncs["forward_step"] == 0 and syncs["propose_after"] == c["host waits"] <= c["steps"], (dict(syncs),
+                                                                                                 dict(c))
