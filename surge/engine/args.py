@@ -57,7 +57,7 @@ class EngineArgs:
     load_format: str = AUTO_LOAD_FORMAT
     enforce_eager: bool = False
     warmup_workers: int = 1
-    cuda_graph_capture: str = "background"  # or "startup": see EngineConfig
+    cuda_graph_capture: str = "startup"  # or "background" (surge serve's default): see EngineConfig
     weight_cache_dir: str | None = None
     weight_cache_mode: str = "zero_copy"
     weight_cache_fallback: bool = True
@@ -99,8 +99,9 @@ class EngineArgs:
                        help="launch each step before the previous step's tokens reach the host (default: on with "
                        "CUDA)")
         g.add_argument("--cuda-graph-capture", choices=CUDA_GRAPH_CAPTURE_MODES, default=d.cuda_graph_capture,
-                       help="background: capture the batch-1 decode graph at start-up and the others while "
-                       "serving (one GPU); startup: every graph before serving")
+                       help="startup: every graph before serving; background: the batch-1 decode graph at "
+                       "start-up, the others while serving (one GPU). Default: background for `surge serve` and "
+                       "`bench startup`, whose engine processes run nothing else; startup elsewhere")
         g = p.add_argument_group("parallelism")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="ranks the model is split over")

@@ -9,13 +9,16 @@ launching ~10 kernels per layer one by one; as a graph they launch once. The att
 one capture serves every layout. Graphs capture views of StepInputs' persistent buffers, so a replay only needs
 those buffers filled.
 
-Start-up captures only the decode graph of batch 1 (with the warm-up runs every first capture needs) when
-`capture_rest_in_background` follows: a thread captures the others one by one while the engine serves, and each
+With `cuda_graph_capture="background"` start-up captures only the decode graph of batch 1 (with the warm-up runs
+every first capture needs) and `capture_rest_in_background` follows: a thread captures the others one by one while the engine serves, and each
 graph serves from the moment it is published; until then a step runs eagerly, or replays a larger graph. The
 thread never runs the model: a capture records launches without executing them, so it reads no buffer the engine
 is filling and writes no KV; it captures in CUDA's thread-local mode, so the engine's own calls (allocations,
 synchronizations) on other streams stay legal meanwhile. Under tensor parallelism every graph is captured at
-start-up: a capture records collectives, whose order must match across ranks.
+start-up: a capture records collectives, whose order must match across ranks. What the thread cannot survive is a
+device-wide synchronize in its process (CUDA refuses it during any capture, and the capture is lost): the engine
+never makes one, which is why background capture is the default only where the process runs nothing but the
+engine (`surge serve`). A failed capture leaves the remaining steps eager, and is logged.
 """
 from __future__ import annotations
 
@@ -184,7 +187,7 @@ class CUDAGraphRunner:
         for _ in range(warm):
             self.model(inp.input_ids[:num_tokens], inp.positions[:num_tokens], meta)
         if warm:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()  # not the device: another engine may be capturing
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
             # Thread-local mode: another thread's allocations and synchronizations do not break this capture.

@@ -129,16 +129,16 @@ class ModelRunner:
                                  cc.block_size, self.device)
         self.warmup_seconds = self._warm_up_kernels()
         self.graph_runner: CUDAGraphRunner | None = None
+        # Under TP a capture records collectives, whose order must match on every rank: all at start-up.
+        background = config.cuda_graph_capture == "background" and self.tp.world_size == 1
         if not config.enforce_eager and self.backend.supports_cuda_graphs:
             self.graph_runner = CUDAGraphRunner(self.model, self.inputs, self.backend, sc.max_num_seqs,
                                                 mc.max_model_len)
-            # Under TP a capture records collectives, whose order must match on every rank: all at start-up.
-            background = config.cuda_graph_capture == "background" and self.tp.world_size == 1
             self.graph_runner.capture(first_only=background)
-            if background:
-                self.graph_runner.capture_rest_in_background()
         if self.draft is not None:  # its graphs: decode passes over its buffers, each step's forward over these
             self.draft.capture_graphs(self.inputs)
+        if self.graph_runner is not None and background:  # after every start-up capture (the draft's too)
+            self.graph_runner.capture_rest_in_background()
 
     # ---- start-up ----
     def _warm_up_kernels(self) -> float:

@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "'vllm' gives vLLM's exact names, for its dashboards and alerts")
     from surge.entrypoints.openai.options import ServerOptions
     ServerOptions.add_cli_args(p)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, cuda_graph_capture="background")  # the engine core's process runs only it
 
     p = sub.add_parser("model-path", help="print the default model's directory (preparing it if needed)")
     p.set_defaults(func=cmd_model_path)
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "seconds and time from process start to first token")
     EngineArgs.add_cli_args(p)
     add_startup_args(p)
-    p.set_defaults(func=cmd_bench_startup)
+    p.set_defaults(func=cmd_bench_startup, cuda_graph_capture="background")  # the restart of a server
     from surge.bench.prefix_reuse import add_prefix_reuse_args
     p = bench.add_parser("prefix-reuse", help="requests sharing a long prefix: cold, local prefix caching, the "
                          "offload tier after eviction, the Mooncake store after a restart; TTFT side by side")
