@@ -93,6 +93,9 @@ class CUDAGraphRunner:
         capture_rest_in_background."""
         start = time.perf_counter()
         plan = [("decode", 1)] if first_only else self._plan()
+        # Memory a collected engine left cached is of no use to the graphs' own pool, and no capture can give it
+        # back to the driver (torch.cuda.graph empties the cache before every capture; once is enough).
+        torch.cuda.empty_cache()
         self._capture_all(plan, warm_first=True)
         seconds = self.capture_seconds = time.perf_counter() - start
         if not first_only:
