@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_BITS = {}  # device -> arange(8) as uint8
+_BITS = {}  # device -> the eight bit values of a byte, 1 to 128, as uint8
 
 
 def bitmask_to_device(buffer, num_rows: int, num_words: int, device: torch.device) -> torch.Tensor:
@@ -29,19 +29,29 @@ def bitmask_to_device(buffer, num_rows: int, num_words: int, device: torch.devic
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, use_numpy: bool | None = None) -> torch.Tensor:
     """[n, W] int32 words -> [n, vocab_size] bool, True where allowed (tokens past 32 * W are not). use_numpy (None:
     on the CPU) unpacks with numpy's unpackbits, one pass and twice as fast there as the torch ops."""
+    return _unpack(bitmask, vocab_size, use_numpy, allowed=True)
+
+
+def _unpack(bitmask: torch.Tensor, vocab_size: int, use_numpy: bool | None, allowed: bool) -> torch.Tensor:
+    """True where the token is allowed (allowed=True) or where it is not (allowed=False): the torch path computes
+    either in the same two elementwise ops, so applying a mask needs no separate negation."""
     n, words = bitmask.shape
     # Bytes of the little-endian words, low bit first: token t is bit t % 8 of byte t // 8.
     as_bytes = bitmask.contiguous().view(torch.uint8)
     if use_numpy if use_numpy is not None else bitmask.device.type == "cpu":
-        allowed = torch.from_numpy(np.unpackbits(as_bytes.numpy(), axis=1, bitorder="little")).view(torch.bool)
+        bits = torch.from_numpy(np.unpackbits(as_bytes.numpy(), axis=1, bitorder="little")).view(torch.bool)
+        if not allowed:
+            bits = ~bits
     else:
-        bits = _BITS.get(bitmask.device)
-        if bits is None:
-            bits = _BITS[bitmask.device] = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
-        allowed = ((as_bytes[:, :, None] >> bits) & 1).view(n, words * 32).bool()
+        weights = _BITS.get(bitmask.device)
+        if weights is None:
+            weights = _BITS[bitmask.device] = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8,
+                                                           device=bitmask.device)
+        set_bits = as_bytes[:, :, None] & weights
+        bits = (set_bits != 0 if allowed else set_bits == 0).view(n, words * 32)
     if words * 32 >= vocab_size:
-        return allowed[:, :vocab_size]
-    return torch.nn.functional.pad(allowed, (0, vocab_size - words * 32), value=False)
+        return bits[:, :vocab_size]
+    return torch.nn.functional.pad(bits, (0, vocab_size - words * 32), value=not allowed)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
@@ -49,7 +59,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
     the mask. logits [N, V] of any float dtype; bitmask [n, W] int32 on logits' device; rows [n] int64."""
     if bitmask.dtype != torch.int32 or bitmask.dim() != 2:
         raise ValueError(f"bitmask must be a 2-D int32 tensor, got {bitmask.dtype} of shape {tuple(bitmask.shape)}")
-    disallowed = ~unpack_bitmask(bitmask, logits.shape[1])
+    disallowed = _unpack(bitmask, logits.shape[1], None, allowed=False)
     if rows is None:
         logits.masked_fill_(disallowed, float("-inf"))
     else:

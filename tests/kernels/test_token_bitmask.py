@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from surge.kernels.token_bitmask import apply_token_bitmask_, bitmask_to_device, unpack_bitmask
+from surge.kernels.token_bitmask import _unpack, apply_token_bitmask_, bitmask_to_device, unpack_bitmask
 
 
 def _reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -67,6 +67,10 @@ def test_both_unpackings_match_reference(use_numpy):
     expected = [[bool((row[t // 32] >> (t % 32)) & 1) for t in range(128)] for row in mask.tolist()]
     assert unpack_bitmask(mask, 128, use_numpy).tolist() == expected
     assert unpack_bitmask(mask, 140, use_numpy)[:, 128:].sum() == 0  # past the mask: not allowed
+    # What apply_token_bitmask_ masks: the negation, past the mask included.
+    disallowed = _unpack(mask, 140, use_numpy, allowed=False)
+    assert disallowed[:, :128].tolist() == [[not b for b in row] for row in expected]
+    assert disallowed[:, 128:].all()
 
 
 def test_unpack_and_bad_input():
