@@ -1,8 +1,10 @@
 """Paged attention in plain torch: the CPU path and the reference for the Triton backend.
 
-Decode rows (one query each) run as one SDPA over their gathered slots, the query heads of each KV head taken as
-its queries (no repeated KV); prefill rows run one request at a time. The slots to gather and the mask depend only
-on the step's metadata, so the first layer of a KV group builds them and the group's other layers reuse them.
+Decode rows (one query each) gather their keys and values head-major ([row, KV head, position]), so each KV head's
+query heads meet its keys in one batched matmul (no repeated KV; in float32 two bmm and a softmax, which beat CPU
+SDPA's flash kernel on the few-query problems decoding makes); prefill rows run one request at a time. The rows to
+gather and the mask (none when every row sees every position) depend only on the step's metadata, so the first
+layer of a KV group builds them and the group's other layers reuse them.
 Only slots some request wrote are read: a position a query may not see is gathered from the row's own current
 token (then masked), so the cache may start uninitialized (NaN or garbage never reaches a softmax).
 """
@@ -20,8 +22,10 @@ from surge.attention.backend import AttentionBackend, AttentionMetadata, CommonA
 class DecodePlan:
     """The decode rows of one step, for one KV group and sliding window: what to gather, and the mask."""
     token_idx: torch.Tensor | None  # [R] token of each decode row; None: every row decodes, in order
-    slots: torch.Tensor  # [R * L] cache slot of each (row, key position), a visible one or the row's current token
-    mask: torch.Tensor  # [R, 1, 1, L] additive: 0 where visible, -inf elsewhere
+    # [R * Hkv * L] row of the cache viewed as [slots * Hkv, head_dim] for each (row, KV head, key position): a
+    # visible position's, or the row's current token's
+    kv_rows: torch.Tensor
+    mask: torch.Tensor | None  # [R, 1, 1, L] additive: 0 where visible, -inf elsewhere; None: all visible
     num_rows: int
     length: int  # L: the longest decode row's context
 
@@ -54,7 +58,7 @@ class TorchAttentionBackend(AttentionBackend):
             return self._decode(q, k_slots, v_slots, meta, sliding_window, scale, k_cache.shape[1])
         out = torch.empty_like(q)
         if any(qsl[r + 1] - qsl[r] == 1 for r in range(meta.num_reqs)):
-            plan = self._plan(meta, sliding_window, k_cache.shape[1], q.dtype)
+            plan = self._plan(meta, sliding_window, k_cache.shape[1], num_kv_heads, q.dtype)
             out[plan.token_idx] = self._decode(q, k_slots, v_slots, meta, sliding_window, scale, k_cache.shape[1])
         block_size = k_cache.shape[1]
         for r, rows in _fresh_runs(meta, sliding_window):  # nothing cached before: plain causal attention
@@ -81,32 +85,41 @@ class TorchAttentionBackend(AttentionBackend):
                                    mask, scale).squeeze(0)
         return out
 
-    def _plan(self, meta: AttentionMetadata, sliding_window: int | None, block_size: int,
+    def _plan(self, meta: AttentionMetadata, sliding_window: int | None, block_size: int, num_kv_heads: int,
               dtype: torch.dtype) -> DecodePlan:
         plans = getattr(meta, "plans", None)
         plan = plans.get(sliding_window) if plans is not None else None
         if plan is None:
-            plan = _decode_plan(meta, sliding_window, block_size, dtype)
+            plan = _decode_plan(meta, sliding_window, block_size, num_kv_heads, dtype)
             if plans is not None:
                 plans[sliding_window] = plan
         return plan
 
     def _decode(self, q, k_slots, v_slots, meta, sliding_window, scale, block_size) -> torch.Tensor:
         """Every decode row's output [R, Hq, D], in row order."""
-        plan = self._plan(meta, sliding_window, block_size, q.dtype)
-        rows, length = plan.num_rows, plan.length
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_slots.shape[1] // head_dim
-        keys = k_slots.index_select(0, plan.slots).view(rows, length, num_kv_heads, head_dim).transpose(1, 2)
-        values = v_slots.index_select(0, plan.slots).view(rows, length, num_kv_heads, head_dim).transpose(1, 2)
+        plan = self._plan(meta, sliding_window, block_size, num_kv_heads, q.dtype)
+        rows, length = plan.num_rows, plan.length
+        group = num_heads // num_kv_heads
+        keys = k_slots.view(-1, head_dim).index_select(0, plan.kv_rows).view(rows * num_kv_heads, length, head_dim)
+        values = v_slots.view(-1, head_dim).index_select(0, plan.kv_rows).view(rows * num_kv_heads, length, head_dim)
         q_rows = q if plan.token_idx is None else q.index_select(0, plan.token_idx)
-        # The query heads sharing a KV head are that head's queries: [R, Hkv, group, D], one mask row for all.
-        grouped = q_rows.reshape(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask, scale=scale)
-        return out.reshape(rows, num_heads, head_dim)
+        # The query heads sharing a KV head are that head's queries: [R * Hkv, group, D], one mask row for all.
+        grouped = q_rows.reshape(rows * num_kv_heads, group, head_dim)
+        if q.dtype != torch.float32:  # the flash kernel accumulates half precision in float32
+            out = F.scaled_dot_product_attention(grouped.view(rows, num_kv_heads, group, head_dim),
+                                                 keys.view(rows, num_kv_heads, length, head_dim),
+                                                 values.view(rows, num_kv_heads, length, head_dim),
+                                                 attn_mask=plan.mask, scale=scale)
+            return out.reshape(rows, num_heads, head_dim)
+        scores = torch.bmm(grouped, keys.transpose(1, 2)).mul_(scale)
+        if plan.mask is not None:
+            scores.view(rows, num_kv_heads, group, length).add_(plan.mask)
+        return torch.bmm(scores.softmax(dim=-1), values).view(rows, num_heads, head_dim)
 
 
-def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, block_size: int,
+def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, block_size: int, num_kv_heads: int,
                  dtype: torch.dtype) -> DecodePlan:
     qsl = meta.query_start_loc
     rows = [r for r in range(meta.num_reqs) if qsl[r + 1] - qsl[r] == 1]
@@ -123,8 +136,13 @@ def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, block_size
     q_pos = (seq_lens - 1)[:, None]
     visible = (k_pos[None, :] <= q_pos) & _visible(q_pos, k_pos[None, :], sliding_window)
     slots = torch.where(visible, slots, slots.gather(1, q_pos))  # hidden positions read the current token
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-    return DecodePlan(token_idx, slots.reshape(-1), mask[:, None, None, :], len(rows), length)
+    heads = torch.arange(num_kv_heads, device=device)
+    kv_rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)  # [R, Hkv, L], flattened
+    mask = None  # equal lengths, no window cutting in: every position visible, nothing to add
+    if any(meta.seq_lens[r] != length for r in rows) or (sliding_window is not None and length > sliding_window):
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        mask = mask[:, None, None, :]
+    return DecodePlan(token_idx, kv_rows, mask, len(rows), length)
 
 
 def _fresh_runs(meta: AttentionMetadata, sliding_window: int | None) -> list[tuple[int, int]]:

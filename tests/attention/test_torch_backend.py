@@ -68,13 +68,15 @@ def _reference(q, keys, values, requests, window, scale):
 
 
 DECODE = [(0, 1), (5, 1), (16, 1), (38, 1)]
+EQUAL = [(20, 1)] * 4  # decode rows of one length: no mask at all
 MIXED = [(0, 1), (16, 1), (38, 1), (0, 7), (21, 12), (5, 33)]
 PREFILL = [(0, 9), (13, 6)]
 FRESH = [(0, 5), (0, 5), (0, 5), (0, 8), (0, 8), (3, 5), (0, 5), (0, 1)]  # runs of equal fresh prompts, batched
 
 
-@pytest.mark.parametrize("requests", [DECODE, MIXED, PREFILL, FRESH], ids=["decode", "mixed", "prefill", "fresh"])
-@pytest.mark.parametrize("heads,window", [((4, 2), None), ((6, 2), 7), ((2, 2), 3), ((3, 1), 16)])
+@pytest.mark.parametrize("requests", [DECODE, EQUAL, MIXED, PREFILL, FRESH],
+                         ids=["decode", "equal", "mixed", "prefill", "fresh"])
+@pytest.mark.parametrize("heads,window", [((4, 2), None), ((6, 2), 7), ((2, 2), 3), ((3, 1), 16), ((6, 2), 21)])
 def test_matches_reference_with_nan_in_unwritten_slots(requests, heads, window):
     q, k, v, cache, common, slots, tables, keys, values = _batch(requests, *heads, 16, window, seed=11)
     backend = TorchAttentionBackend()
@@ -84,9 +86,23 @@ def test_matches_reference_with_nan_in_unwritten_slots(requests, heads, window):
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), _reference(q, keys, values, requests, window, 16 ** -0.5),
                                atol=1e-5, rtol=1e-5)
+    if requests is EQUAL:  # a window of 21 still sees all 21 positions; one of 16 or fewer cuts in
+        assert (meta.plans[window].mask is None) == (window is None or window >= 21)
     # Only the new tokens' slots were written.
     changed = (cache.isnan() != before.isnan()).any(-1).any(-1).view(2, -1)
     assert torch.equal(changed[0].nonzero().flatten(), slots.sort().values)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_decode_matches_reference(dtype):
+    """Half precision decodes through SDPA's flash kernel (float32 accumulation), float32 through bmm."""
+    q, k, v, cache, common, slots, tables, keys, values = _batch(DECODE, 4, 2, 16, None, seed=5)
+    backend = TorchAttentionBackend()
+    meta = backend.build_metadata(common, slots, tables)
+    got = backend.forward(q.to(dtype), k.to(dtype), v.to(dtype), cache.to(dtype), meta, None, 0.25)
+    ref = _reference(q.to(dtype).double(), [t.to(dtype).double() for t in keys],
+                     [t.to(dtype).double() for t in values], DECODE, None, 0.25)
+    torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_layers_of_a_group_share_one_decode_plan():
