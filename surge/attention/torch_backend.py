@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from surge.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionMetadata, register_backend
+from surge.attention.backend import (AttentionBackend, AttentionMetadata, CommonAttentionMetadata, Prologue,
+                                    register_backend)
 
 
 @dataclass
@@ -33,6 +34,8 @@ class DecodePlan:
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
     plans: dict[int | None, DecodePlan] = field(default_factory=dict)  # sliding window -> plan, built on first use
+    # (positions, cos table) -> the step's rotary factors [T, 1, D]: cos | cos and -sin | sin, built on first use
+    rotary: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @register_backend
@@ -45,7 +48,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale, prologue=None):
         if prologue is not None:
-            q, k = prologue.apply(q, k)
+            q, k = _rotate(prologue, q, k, meta)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_slots = k_cache.view(-1, num_kv_heads * head_dim)  # one row per slot
@@ -117,6 +120,43 @@ class TorchAttentionBackend(AttentionBackend):
         if plan.mask is not None:
             scores.view(rows, num_kv_heads, group, length).add_(plan.mask)
         return torch.bmm(scores.softmax(dim=-1), values).view(rows, num_heads, head_dim)
+
+
+def _rotate(prologue: Prologue, q: torch.Tensor, k: torch.Tensor,
+            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prologue.apply` in float32 without a q/k norm, bitwise: x * (cos | cos) + (x2 | x1) * (-sin | sin) is the
+    reference's x1 cos - x2 sin | x2 cos + x1 sin (a negated factor and a + (-b) round exactly as a - b). The factors
+    are looked up once per step; q and k are one view when k's heads follow q's in memory (the merged projection's
+    output), else one cat. Four elementwise ops a layer instead of about twelve (decode: 46 -> 19 us a layer)."""
+    if q.dtype != torch.float32 or prologue.q_norm_weight is not None:
+        return prologue.apply(q, k)
+    num_q_heads, half = q.shape[1], q.shape[2] // 2
+    tables = getattr(meta, "rotary", None)
+    key = (prologue.positions.data_ptr(), prologue.positions.shape[0], prologue.cos_cache.data_ptr())
+    factors = tables.get(key) if tables is not None else None
+    if factors is None:
+        cos, sin = prologue.cos_cache[prologue.positions], prologue.sin_cache[prologue.positions]
+        factors = (torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1))
+        if tables is not None:
+            tables[key] = factors
+    cos2, sin2 = factors
+    qk = _heads_side_by_side(q, k)
+    x1, x2 = qk.chunk(2, dim=-1)
+    out = torch.cat((x2, x1), dim=-1).mul_(sin2).add_(qk * cos2)  # b + a: addition commutes, bitwise
+    return out[:, :num_q_heads], out[:, num_q_heads:]
+
+
+def _heads_side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[T, Hq + Hk, D]: a view when k's heads follow q's in each row of one buffer, else a copy."""
+    t, hq, d = q.shape
+    adjacent = (k.shape[0] == t and k.shape[2] == d and q.stride(0) >= (hq + k.shape[1]) * d
+                and q.stride() == (q.stride(0), d, 1)
+                and k.stride() == (q.stride(0), d, 1) and k.dtype == q.dtype
+                and k.data_ptr() == q.data_ptr() + hq * d * q.element_size()
+                and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr())
+    if adjacent:
+        return torch.as_strided(q, (t, hq + k.shape[1], d), (q.stride(0), d, 1))
+    return torch.cat((q, k), dim=1)
 
 
 def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, block_size: int, num_kv_heads: int,

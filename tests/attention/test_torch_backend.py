@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from surge.attention.backend import CommonAttentionMetadata
-from surge.attention.torch_backend import TorchAttentionBackend
+from surge.attention.backend import CommonAttentionMetadata, Prologue
+from surge.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata, _rotate
+from surge.model.layers.rotary import RotaryEmbedding
 
 BLOCK = 4
 
@@ -116,3 +117,26 @@ def test_layers_of_a_group_share_one_decode_plan():
     # A sliding window is another plan (another mask) over the same metadata.
     backend.forward(q, k, v, cache.clone(), meta, 5, 0.25)
     assert set(meta.plans) == {None, 5}
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+@pytest.mark.parametrize("merged", [True, False], ids=["qkv-views", "separate"])
+def test_rotary_bitwise_equal_to_the_prologue_reference(num_tokens, merged):
+    """The backend's float32 rotary (factors once per step, q and k as one view of the merged projection) against
+    Prologue.apply, which HF's rotate-half rounding is tested against: bitwise, q and k."""
+    g = torch.Generator().manual_seed(num_tokens)
+    rotary = RotaryEmbedding(64, 4096, {"rope_theta": 100000.0, "rope_type": "default"})
+    qkv = torch.randn(num_tokens, (9 + 3 + 3) * 64, generator=g) * 4
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(-1, 9, 64), k.view(-1, 3, 64)
+    if not merged:
+        q, k = q.clone(), k.clone()
+    prologue = Prologue(torch.randint(0, 4096, (num_tokens,), generator=g), rotary.cos_cache, rotary.sin_cache)
+    meta = TorchAttentionMetadata(1, num_tokens, [0, num_tokens], [num_tokens], num_tokens, num_tokens,
+                                  torch.tensor([0, num_tokens]), torch.tensor([num_tokens]),
+                                  slot_mapping=torch.arange(num_tokens), block_table=torch.zeros(1, 1))
+    want_q, want_k = prologue.apply(q, k)
+    for _ in range(2):  # the second layer reads the step's factors
+        got_q, got_k = _rotate(prologue, q, k, meta)
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert len(meta.rotary) == 1
