@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from surge.model.layers.sampler import Sampler, SamplingRow, _apply_penalties, compute_token_logprobs
+from surge.model.layers.sampler import Sampler, SamplingRow, _apply_penalties, compute_token_logprobs, greedy_argmax
 from surge.sampling_params import SamplingParams
 
 V = 12
@@ -238,3 +238,21 @@ def test_tiny_temperature_is_greedy(temperature):
 def test_temperature_must_be_finite_and_non_negative(value):
     with pytest.raises(ValueError, match=r"temperature=.* finite number >= 0"):
         SamplingParams(temperature=value)
+
+
+@pytest.mark.parametrize("vocab_size", [49152, 151936, 128256, 1000, 50257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_is_torch_argmax(vocab_size, dtype):
+    """Ties (inside a block, across blocks, at block edges), rows all -inf, a NaN, and random rows: torch's argmax."""
+    g = torch.Generator().manual_seed(vocab_size)
+    x = torch.randn(9, vocab_size, generator=g).to(dtype)
+    top = torch.tensor(1e4, dtype=dtype)
+    x[0, [5, 7]] = top  # one block
+    x[1, [vocab_size - 1, 3]] = top  # first and last block
+    x[2, [1023, 1024, 2047] if vocab_size > 2048 else [63, 64]] = top  # both sides of a block edge
+    x[3] = float("-inf")
+    x[4, [100, vocab_size - 7]] = float("nan")
+    x[5, -1] = top
+    x[6, 0] = top
+    assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(greedy_argmax(x[:, :-1]), x[:, :-1].argmax(dim=-1))  # not contiguous

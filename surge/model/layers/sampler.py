@@ -68,13 +68,13 @@ class Sampler:
         work = processed_logits(logits, rows)  # what is sampled from; the caller's tensor is never written
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            sampled = work.argmax(dim=-1)  # ties go to the lowest id
+            sampled = greedy_argmax(work)  # ties go to the lowest id
         elif self._kernel_serves(work, rows):
             sampled = self._sample_with_kernel(work, rows)
         else:
             work = work.float()
             is_greedy = device_tensor(greedy, logits.device, torch.bool)
-            sampled = torch.where(is_greedy, work.argmax(dim=-1), _sample(work, rows))
+            sampled = torch.where(is_greedy, greedy_argmax(work), _sample(work, rows))
         if max_n is None:
             return SamplerOutput(sampled)
         ids, logprobs, ranks = compute_token_logprobs(logits, sampled, max_n)
@@ -114,6 +114,20 @@ class Sampler:
         return self._kernel_on(logits.device)(
             logits if logits.stride(-1) == 1 else logits.contiguous(), per_row[0], per_row[2].to(torch.int32),
             per_row[1], noise, max_batch=max_batch, max_k=vocab_size)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of [n, V], the lowest id among ties (and the first NaN, as argmax). On the CPU in two
+    passes over blocks: torch's argmax kernel runs at a fraction of the vectorized max's speed (default model,
+    16 x 49,152: 340 -> 70 us, 2 threads). The first block holding a row's maximum holds its lowest such id."""
+    n, vocab_size = logits.shape
+    block = min(1024, vocab_size & -vocab_size)  # the largest power of two dividing V, at most 1024
+    if logits.device.type != "cpu" or block < 64 or vocab_size < 8 * block or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    blocks = logits.view(n, vocab_size // block, block)
+    first = blocks.amax(dim=-1).argmax(dim=-1)
+    within = blocks[torch.arange(n), first].argmax(dim=-1)
+    return first * block + within
 
 
 def compute_token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
