@@ -52,6 +52,10 @@ class ChoiceOutputParser:
                             d.content if d.content or (self.tools is None and self.reasoning is None) else None,
                             merge_calls(d.tool_calls))
 
+    def reasoning_tokens(self, token_ids: list[int], tokenizer) -> int:
+        """Of the output's tokens (every one, once it is whole), how many are reasoning: 0 without a parser."""
+        return self.reasoning.reasoning_tokens(token_ids, tokenizer) if self.reasoning is not None else 0
+
     def finish_reason(self, finish_reason: str | None) -> str | None:
         """OpenAI's "tool_calls" when the model stopped after calling tools of its own choice."""
         if finish_reason == "stop" and self.num_calls and not self.named:

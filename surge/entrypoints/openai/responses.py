@@ -101,10 +101,11 @@ class ResponsesHandler:
                                      media_type="text/event-stream")
         [out] = await s.run_to_end(http, [(token_ids, params)], response_id, grammar_param)
         c = out.outputs[0]
-        output = output_items(self.parser(tools).parse(c.text), _item_status(c.finish_reason),
-                              self._logprobs(c, params))
+        parser = self.parser(tools)
+        output = output_items(parser.parse(c.text), _item_status(c.finish_reason), self._logprobs(c, params))
         response = self._response(req, model, response_id, "completed", output)
-        self._finish(response, len(token_ids), len(c.token_ids), out.num_cached_tokens, c.finish_reason)
+        self._finish(response, len(token_ids), len(c.token_ids), out.num_cached_tokens, c.finish_reason,
+                     parser.reasoning_tokens(list(c.token_ids), s.tokenizer))
         response.kv_transfer_params = out.kv_transfer_params
         return Response(encode(response), media_type="application/json")
 
@@ -133,9 +134,9 @@ class ResponsesHandler:
 
     @staticmethod
     def _finish(response: ResponseObject, num_input: int, num_output: int, num_cached: int,
-                finish_reason: str | None) -> None:
+                finish_reason: str | None, num_reasoning: int = 0) -> None:
         response.usage = ResponseUsage(num_input, num_output, num_input + num_output,
-                                       InputTokensDetails(num_cached), OutputTokensDetails())
+                                       InputTokensDetails(num_cached), OutputTokensDetails(num_reasoning))
         if finish_reason == "length":
             response.status = "incomplete"
             response.incomplete_details = IncompleteDetails("max_output_tokens")

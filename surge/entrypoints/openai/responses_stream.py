@@ -107,11 +107,11 @@ async def stream_events(handler, req: ResponsesRequest, model: str, response_id:
     response = handler._response(req, model, response_id, "in_progress", [])
     yield items.event("response.created", response=response)
     yield items.event("response.in_progress", response=response)
-    num_output = 0
+    output_ids: list[int] = []
     try:
         async for out in outputs:
             c = out.outputs[0]
-            num_output += len(c.token_ids)
+            output_ids += c.token_ids
             items.logprobs += handler._logprobs(c, params)
             for event in items.add(parser.feed(c.text, final=out.finished)):
                 yield event
@@ -124,7 +124,8 @@ async def stream_events(handler, req: ResponsesRequest, model: str, response_id:
                     for event in items.close(status):
                         yield event
                 response = handler._response(req, model, response_id, "completed", items.items)
-                handler._finish(response, len(token_ids), num_output, out.num_cached_tokens, c.finish_reason)
+                handler._finish(response, len(token_ids), len(output_ids), out.num_cached_tokens, c.finish_reason,
+                                parser.reasoning_tokens(output_ids, handler.serving.tokenizer))
                 # As OpenAI: a response cut by max_output_tokens ends with response.incomplete.
                 done = "response.completed" if response.status == "completed" else "response.incomplete"
                 yield items.event(done, response=response)

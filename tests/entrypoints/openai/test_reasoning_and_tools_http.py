@@ -138,3 +138,48 @@ def test_auto_tool_choice_needs_the_servers_flags(tiny_model_dir):
     r = asyncio.run(main())
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+
+
+class TokenScriptedEngine(ScriptedEngine):
+    """TEXT as the tokenizer's own tokens, one output per token: usage can count what was reasoning."""
+
+    def __init__(self, model_dir) -> None:
+        super().__init__(model_dir)
+        self.ids = self.tokenizer.encode(TEXT, add_special_tokens=False)
+
+    def _outputs(self, request_id, token_ids):
+        n = len(self.ids)
+        return [RequestOutput(request_id, None, token_ids, [CompletionOutput(
+            0, self.tokenizer.decode(self.ids[:i + 1]) [len(self.tokenizer.decode(self.ids[:i])):], [t],
+            finish_reason="stop" if i == n - 1 else None)], finished=i == n - 1) for i, t in enumerate(self.ids)]
+
+    async def generate(self, prompt, params, request_id, output_kind):
+        self.prompts.append(prompt["prompt_token_ids"])
+        yield RequestOutput(request_id, None, prompt["prompt_token_ids"],
+                            [CompletionOutput(0, TEXT, list(self.ids), finish_reason="stop")], finished=True)
+
+
+def test_responses_usage_counts_reasoning_tokens(tools_model_dir):
+    """output_tokens_details.reasoning_tokens: the tokens up to the closing marker, streamed and not; none without
+    a reasoning parser."""
+    engine = TokenScriptedEngine(tools_model_dir)
+    reasoning_ids = engine.tokenizer.encode(f"<think>{REASONING}</think>", add_special_tokens=False)
+    assert engine.ids[:len(reasoning_ids)] == reasoning_ids and len(engine.ids) > len(reasoning_ids)
+
+    async def main(options):
+        app = build_app(engine, ["m"], options=options)
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http, max_retries=0)
+        try:
+            whole = await client.responses.create(model="m", input=ASK)
+            async with client.responses.stream(model="m", input=ASK) as stream:
+                [e async for e in stream]
+                final = await stream.get_final_response()
+            return whole, final
+        finally:
+            await http.aclose()
+
+    for options, expected in ((ServerOptions(reasoning_parser="qwen3"), len(reasoning_ids)), (ServerOptions(), 0)):
+        for response in asyncio.run(asyncio.wait_for(main(options), 60)):
+            assert response.usage.output_tokens == len(engine.ids)
+            assert response.usage.output_tokens_details.reasoning_tokens == expected

@@ -14,6 +14,24 @@ class MarkerReasoningParser:
         self.markers = markers
         self.state = _START
         self.pending = ""
+        self.reasoned = False  # the output opened (or began inside) its reasoning
+
+    def reasoning_tokens(self, token_ids: list[int], tokenizer) -> int:
+        """How many of the output's tokens are reasoning, its closing marker included (all of them when the output
+        ended inside it): the shortest prefix whose text holds the end marker, found by bisection, so the count
+        is exact whatever the tokenizer makes of the marker. 0 without reasoning."""
+        end = self.markers.end
+        def has_end(n: int) -> bool:
+            return end in tokenizer.decode(token_ids[:n], skip_special_tokens=False)
+        if not self.reasoned or not token_ids:
+            return 0
+        if not has_end(len(token_ids)):
+            return len(token_ids)
+        lo, hi = 1, len(token_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if has_end(mid) else (mid + 1, hi)
+        return lo
 
     @property
     def reasoning_ended(self) -> bool:
@@ -27,11 +45,12 @@ class MarkerReasoningParser:
             if self.state == _START:
                 head = buf.lstrip()
                 if head.startswith(start):
-                    buf, self.state = head[len(start):], _REASONING
+                    buf, self.state, self.reasoned = head[len(start):], _REASONING, True
                 elif start.startswith(head) and not final:
                     break  # still undecided ("" or "<thi")
                 else:
                     self.state = _REASONING if self.markers.starts_inside else _CONTENT
+                    self.reasoned = self.markers.starts_inside
             elif self.state == _REASONING:
                 found = buf.find(end)
                 if found >= 0:
