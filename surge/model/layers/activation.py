@@ -12,4 +12,4 @@ class SiluAndMul(nn.Module):
             from surge.kernels.activation import silu_and_mul
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)  # in place: one [T, I] buffer fewer (6 MB a layer at a 1024-token prefill)

@@ -44,17 +44,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight), oneDNN reads the owner's packed copy of it."""
     if not uses_onednn(x, weight):
         return F.linear(x, weight, bias)
-    if owner is not None and envs.SURGE_CPU_PACKED_WEIGHTS:
+    if owner is not None:
         weight = _packed(owner, weight)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _packed(owner: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """The owner's packed copy of `weight`, packed now if it has none or the weight changed since; `weight` itself
+    when SURGE_CPU_PACKED_WEIGHTS is off (read when a copy would be made, not on every call: 121 GEMMs a step)."""
     key = (weight.data_ptr(), weight._version, weight.shape)
     cached = owner.__dict__.get("_onednn_weight")  # a plain attribute: no parameter, buffer or state_dict entry
-    if cached is None or cached[0] != key:
-        cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS))
-        owner.__dict__["_onednn_weight"] = cached
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if not envs.SURGE_CPU_PACKED_WEIGHTS:
+        return weight
+    cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS))
+    owner.__dict__["_onednn_weight"] = cached
     return cached[1]
 
 
