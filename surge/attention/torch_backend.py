@@ -1,10 +1,11 @@
 """Paged attention in plain torch: the CPU path and the reference for the Triton backend.
 
-Decode rows (one query each) gather their keys and values head-major ([row, KV head, position]), so each KV head's
-query heads meet its keys in one batched matmul (no repeated KV; in float32 two bmm and a softmax, which beat CPU
-SDPA's flash kernel on the few-query problems decoding makes); prefill rows run one request at a time. The rows to
-gather and the mask (none when every row sees every position) depend only on the step's metadata, so the first
-layer of a KV group builds them and the group's other layers reuse them.
+Decode rows (one query each) gather their keys head-major ([row, KV head, position]), so each KV head's query heads
+meet its keys in one batched matmul (no repeated KV); in float32 the probabilities then weight the value rows
+straight from the cache (`embedding_bag`: a weighted sum of rows, no gathered copy of the values), which beats CPU
+SDPA's flash kernel on the few-query problems decoding makes. Prefill rows run one request at a time. The rows to
+read and the mask (none when every row sees every position) depend only on the step's metadata, so the first layer
+of a KV group builds them and the group's other layers reuse them.
 Only slots some request wrote are read: a position a query may not see is gathered from the row's own current
 token (then masked), so the cache may start uninitialized (NaN or garbage never reaches a softmax).
 """
@@ -26,6 +27,8 @@ class DecodePlan:
     # [R * Hkv * L] row of the cache viewed as [slots * Hkv, head_dim] for each (row, KV head, key position): a
     # visible position's, or the row's current token's
     kv_rows: torch.Tensor
+    value_rows: torch.Tensor  # [R * Hkv * group * L]: kv_rows repeated for each query head of a KV head (one bag each)
+    value_offsets: torch.Tensor  # [R * Hkv * group] first entry of each bag
     mask: torch.Tensor | None  # [R, 1, 1, L] additive: 0 where visible, -inf elsewhere; None: all visible
     num_rows: int
     length: int  # L: the longest decode row's context
@@ -61,7 +64,8 @@ class TorchAttentionBackend(AttentionBackend):
             return self._decode(q, k_slots, v_slots, meta, sliding_window, scale, k_cache.shape[1])
         out = torch.empty_like(q)
         if any(qsl[r + 1] - qsl[r] == 1 for r in range(meta.num_reqs)):
-            plan = self._plan(meta, sliding_window, k_cache.shape[1], num_kv_heads, q.dtype)
+            plan = self._plan(meta, sliding_window, k_cache.shape[1], num_kv_heads, q.shape[1] // num_kv_heads,
+                              q.dtype)
             out[plan.token_idx] = self._decode(q, k_slots, v_slots, meta, sliding_window, scale, k_cache.shape[1])
         block_size = k_cache.shape[1]
         for r, rows in _fresh_runs(meta, sliding_window):  # nothing cached before: plain causal attention
@@ -89,11 +93,11 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _plan(self, meta: AttentionMetadata, sliding_window: int | None, block_size: int, num_kv_heads: int,
-              dtype: torch.dtype) -> DecodePlan:
+              group: int, dtype: torch.dtype) -> DecodePlan:
         plans = getattr(meta, "plans", None)
         plan = plans.get(sliding_window) if plans is not None else None
         if plan is None:
-            plan = _decode_plan(meta, sliding_window, block_size, num_kv_heads, dtype)
+            plan = _decode_plan(meta, sliding_window, block_size, num_kv_heads, group, dtype)
             if plans is not None:
                 plans[sliding_window] = plan
         return plan
@@ -102,24 +106,27 @@ class TorchAttentionBackend(AttentionBackend):
         """Every decode row's output [R, Hq, D], in row order."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_slots.shape[1] // head_dim
-        plan = self._plan(meta, sliding_window, block_size, num_kv_heads, q.dtype)
-        rows, length = plan.num_rows, plan.length
         group = num_heads // num_kv_heads
-        keys = k_slots.view(-1, head_dim).index_select(0, plan.kv_rows).view(rows * num_kv_heads, length, head_dim)
-        values = v_slots.view(-1, head_dim).index_select(0, plan.kv_rows).view(rows * num_kv_heads, length, head_dim)
+        plan = self._plan(meta, sliding_window, block_size, num_kv_heads, group, q.dtype)
+        rows, length = plan.num_rows, plan.length
+        k_rows, v_rows = k_slots.view(-1, head_dim), v_slots.view(-1, head_dim)
+        keys = k_rows.index_select(0, plan.kv_rows).view(rows * num_kv_heads, length, head_dim)
         q_rows = q if plan.token_idx is None else q.index_select(0, plan.token_idx)
         # The query heads sharing a KV head are that head's queries: [R * Hkv, group, D], one mask row for all.
         grouped = q_rows.reshape(rows * num_kv_heads, group, head_dim)
         if q.dtype != torch.float32:  # the flash kernel accumulates half precision in float32
+            values = v_rows.index_select(0, plan.kv_rows).view(rows, num_kv_heads, length, head_dim)
             out = F.scaled_dot_product_attention(grouped.view(rows, num_kv_heads, group, head_dim),
-                                                 keys.view(rows, num_kv_heads, length, head_dim),
-                                                 values.view(rows, num_kv_heads, length, head_dim),
+                                                 keys.view(rows, num_kv_heads, length, head_dim), values,
                                                  attn_mask=plan.mask, scale=scale)
             return out.reshape(rows, num_heads, head_dim)
         scores = torch.bmm(grouped, keys.transpose(1, 2)).mul_(scale)
         if plan.mask is not None:
             scores.view(rows, num_kv_heads, group, length).add_(plan.mask)
-        return torch.bmm(scores.softmax(dim=-1), values).view(rows, num_heads, head_dim)
+        probs = scores.softmax(dim=-1)  # [R * Hkv, group, L]: one bag of L value rows per query head
+        out = F.embedding_bag(plan.value_rows, v_rows, plan.value_offsets, mode="sum",
+                              per_sample_weights=probs.view(-1))
+        return out.view(rows, num_heads, head_dim)
 
 
 def _rotate(prologue: Prologue, q: torch.Tensor, k: torch.Tensor,
@@ -160,7 +167,7 @@ def _heads_side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, block_size: int, num_kv_heads: int,
-                 dtype: torch.dtype) -> DecodePlan:
+                 group: int, dtype: torch.dtype) -> DecodePlan:
     qsl = meta.query_start_loc
     rows = [r for r in range(meta.num_reqs) if qsl[r + 1] - qsl[r] == 1]
     device = meta.block_table.device
@@ -177,12 +184,15 @@ def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, block_size
     visible = (k_pos[None, :] <= q_pos) & _visible(q_pos, k_pos[None, :], sliding_window)
     slots = torch.where(visible, slots, slots.gather(1, q_pos))  # hidden positions read the current token
     heads = torch.arange(num_kv_heads, device=device)
-    kv_rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)  # [R, Hkv, L], flattened
+    kv_rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # [R, Hkv, L]
+    num_rows = len(rows)
+    value_rows = kv_rows[:, :, None, :].expand(num_rows, num_kv_heads, group, length).reshape(-1)
+    value_offsets = torch.arange(0, value_rows.shape[0], length, device=device)
     mask = None  # equal lengths, no window cutting in: every position visible, nothing to add
     if any(meta.seq_lens[r] != length for r in rows) or (sliding_window is not None and length > sliding_window):
         mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
         mask = mask[:, None, None, :]
-    return DecodePlan(token_idx, kv_rows, mask, len(rows), length)
+    return DecodePlan(token_idx, kv_rows.reshape(-1), value_rows, value_offsets, mask, num_rows, length)
 
 
 def _fresh_runs(meta: AttentionMetadata, sliding_window: int | None) -> list[tuple[int, int]]:
