@@ -186,8 +186,10 @@ def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, block_size
     heads = torch.arange(num_kv_heads, device=device)
     kv_rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # [R, Hkv, L]
     num_rows = len(rows)
-    value_rows = kv_rows[:, :, None, :].expand(num_rows, num_kv_heads, group, length).reshape(-1)
-    value_offsets = torch.arange(0, value_rows.shape[0], length, device=device)
+    # int32: half the index memory of int64 (R * Hq * L entries, as many as the scores); a cache of 2^31 rows of
+    # head_dim values would be hundreds of GB
+    value_rows = kv_rows[:, :, None, :].expand(num_rows, num_kv_heads, group, length).reshape(-1).int()
+    value_offsets = torch.arange(0, value_rows.shape[0], length, dtype=torch.int32, device=device)
     mask = None  # equal lengths, no window cutting in: every position visible, nothing to add
     if any(meta.seq_lens[r] != length for r in rows) or (sliding_window is not None and length > sliding_window):
         mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
