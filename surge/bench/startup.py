@@ -233,11 +233,10 @@ def run_startup(args: argparse.Namespace) -> int:
           "for the cold start", flush=True)
     try:
         cold = _run_child(engine, args.input_len, args.timeout, "cold start (disk)", env)
-        warm = _warm_start(args, engine, env)
+        warm, parity = _warm_start(args, engine, env)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     _report(cold, warm, weights)
-    parity = warm.pop("parity")
     if parity is not None:
         if parity:
             print(f"parity: {len(parity)} difference(s) between the daemon's tensors and a disk load:")
@@ -248,8 +247,9 @@ def run_startup(args: argparse.Namespace) -> int:
     return 0
 
 
-def _warm_start(args: argparse.Namespace, engine: EngineArgs, env: dict) -> dict:
-    """The daemons (started here unless --use-daemon), then an engine that takes its weights from them."""
+def _warm_start(args: argparse.Namespace, engine: EngineArgs, env: dict) -> tuple[dict, list[str] | None]:
+    """The daemons (started here unless --use-daemon), then an engine that takes its weights from them; with
+    --parity, the differences between the daemon's tensors and a disk load (None: not compared)."""
     tmp_dir = None if args.use_daemon else tempfile.mkdtemp(prefix="surge-wc-")
     socket_dir = args.use_daemon or tmp_dir
     daemons = None
@@ -273,8 +273,7 @@ def _warm_start(args: argparse.Namespace, engine: EngineArgs, env: dict) -> dict
             daemons.stop()
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-    warm["parity"] = parity
-    return warm
+    return warm, parity
 
 
 def _report(cold: dict, warm: dict, weights: int) -> None:

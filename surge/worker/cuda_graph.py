@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -104,7 +103,7 @@ class CUDAGraphRunner:
             logger.info("captured %d CUDA graphs (%s) in %.2f s", len(plan), self._describe(), seconds)
         return seconds
 
-    def capture_rest_in_background(self, on_error: Callable[[BaseException], None] | None = None) -> None:
+    def capture_rest_in_background(self) -> None:
         """Capture the graphs not captured yet on a thread; each serves once published."""
         plan = [(kind, n) for kind, n in self._plan() if n not in (self.graphs if kind == "decode"
                                                                     else self.mixed_graphs)]
@@ -119,10 +118,8 @@ class CUDAGraphRunner:
                     w = torch.ones(64, 64, device=device, dtype=self.model_dtype)
                     torch.nn.functional.linear(w, w, w[0]).sum().item()
                 done = self._capture_all(plan, warm_first=False, stream=stream)
-            except BaseException as e:  # the engine serves on: a step without its graph runs eagerly
+            except BaseException:  # the engine serves on: a step without its graph runs eagerly
                 logger.exception("background CUDA graph capture failed; the steps it did not cover run eagerly")
-                if on_error is not None:
-                    on_error(e)
                 return
             self.background_seconds = time.perf_counter() - start
             logger.info("captured %d CUDA graphs in the background in %.2f s (%s)", done, self.background_seconds,
@@ -195,7 +192,8 @@ class CUDAGraphRunner:
             torch.cuda.current_stream().synchronize()  # not the device: another engine may be capturing
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
-            # Thread-local mode: another thread's allocations and synchronizations do not break this capture.
+            # Thread-local mode: another thread's allocations do not break this capture (a device-wide
+            # synchronize still would: see the module's docstring).
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 out = self.model(inp.input_ids[:num_tokens], inp.positions[:num_tokens], meta)
