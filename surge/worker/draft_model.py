@@ -25,6 +25,7 @@ from surge.core.kv_cache.spec import KVCacheConfig, build_kv_cache_groups
 from surge.distributed.parallel_state import get_tp_group
 from surge.logger import init_logger
 from surge.model.layers.linear import num_kv_heads_per_rank
+from surge.model.layers.sampler import device_tensor
 from surge.model.loader.base import load_model
 from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from surge.worker.step_inputs import StepInputs
@@ -146,7 +147,7 @@ class DraftModel:
             block = np.where(inside, table[np.arange(n)[None, :], np.minimum(col, width - 1)], 0)
             parts += [(block * bs + pos % bs).reshape(-1), table.reshape(-1)]  # slots [k, n], the table [n, width]
             widths.append(width)
-        dev = _to_device(np.concatenate(parts), self.device)  # one copy, queued: the host does not wait for it
+        dev = device_tensor(np.concatenate(parts), self.device)  # one copy, queued: the host does not wait for it
         pos_dev, o = dev[:k * n].view(k, n), k * n
         slot_dev = []
         for g, width in enumerate(widths):
@@ -195,7 +196,7 @@ class DraftModel:
             buf = torch.zeros(2, len(ids), dtype=torch.int64, device=self.device)
             if out is not None:
                 starts = np.cumsum([0] + [k + 1 for k in num_drafts[:-1]], dtype=np.int64)  # each request's rows
-                buf[0] = out.token_ids[_to_device(starts, self.device) + out.num_accepted]
+                buf[0] = out.token_ids[device_tensor(starts, self.device) + out.num_accepted]
                 buf[1] = out.num_accepted
             buf = self.tp.broadcast(buf)
             self.counts["host waits"] += 1
@@ -213,10 +214,3 @@ class DraftModel:
         self.counts["steps"] += 1
         drafts = self.propose(torch.stack(first), positions, [state.block_ids for _, state in rows])
         return [s.request_id for s, _ in rows], drafts
-
-
-def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host values to the device through pinned memory, queued behind the device's work (a plain copy of pageable
-    memory would make the host wait for all of it first)."""
-    t = torch.from_numpy(values)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

@@ -147,8 +147,9 @@ def compute_token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
 
 def device_tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A small tensor from host values, copied (pinned, async) without making the host wait for the device's queued
-    work: with async scheduling a step's work is still queued when the next one is prepared."""
-    t = torch.tensor(values, dtype=dtype)
+    work: with async scheduling a step's work is still queued when the next one is prepared. A numpy array is read
+    in place (no host copy before the pinned one)."""
+    t = torch.as_tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
