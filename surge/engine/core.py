@@ -103,7 +103,20 @@ class EngineCore:
         self._first_scheduled: dict[str, float] = {}  # request id -> when first scheduled, until its first output
         kvc = self.executor.kv_cache_config
         self.max_tokens_in_kv = (kvc.num_blocks - 1) * config.cache_config.block_size
-        freeze_startup_objects()
+        # Start-up's objects leave the garbage collector's view at the step after the first output: the collection
+        # before the freeze (~0.07 s at 8B on the H200) would otherwise stand between a restart and its first token.
+        self._freeze: str | None = "after output"  # -> "now" -> None (done)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule and run one step; returns the outputs of the step that finished. With async scheduling that is
+        the step before: this one is launched first, so the host's work for it overlaps the device's for that one."""
+        if self._freeze == "now":
+            freeze_startup_objects()
+            self._freeze = None
+        outputs = self._step()
+        if outputs and self._freeze is not None:
+            self._freeze = "now"
+        return outputs
 
     def add_request(self, request: Request) -> None:
         max_len = self.config.scheduler_config.max_model_len
@@ -166,9 +179,7 @@ class EngineCore:
                 list(sd.accepted_per_pos)
         return stats
 
-    def step(self) -> list[EngineCoreOutput]:
-        """Schedule and run one step; returns the outputs of the step that finished. With async scheduling that is
-        the step before: this one is launched first, so the host's work for it overlaps the device's for that one."""
+    def _step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         # Speculation steps synchronously: drafts come after a request's last token, which is never on the host
         # while a step is in flight (the H200 run proposed nothing under async scheduling).

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import weakref
 
+from surge import SamplingParams
+from surge.core.request import Request
 from surge.engine.args import EngineArgs
 from surge.engine.core import EngineCore
 
@@ -20,3 +22,27 @@ def test_shutdown_releases_the_model_and_kv_cache():
     del engine, runner
     gc.collect()
     assert model() is None and cache() is None
+
+
+def test_startup_objects_are_frozen_after_the_first_output_and_released_at_shutdown():
+    """The freeze waits for the first output (its collection would delay a restart's first token), comes at the
+    next step, and shutdown still releases the engine."""
+    gc.unfreeze()
+    engine = EngineCore(EngineArgs(preset="tiny-llama", load_format="dummy", device="cpu", max_model_len=256,
+                                   kv_cache_memory=1 << 22).create_engine_config())
+    runner = engine.executor.runner
+    model = weakref.ref(runner.model)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request(Request("0", list(range(1, 20)), params, engine.config.cache_config.block_size))
+    outputs = []
+    while not outputs:
+        assert gc.get_freeze_count() == 0
+        outputs = engine.step()
+    assert gc.get_freeze_count() == 0  # the first token went out before any collection
+    engine.step()
+    assert gc.get_freeze_count() > 0
+    engine.shutdown()
+    assert gc.get_freeze_count() == 0
+    del engine, runner
+    gc.collect()
+    assert model() is None

@@ -97,6 +97,7 @@ def test_on_cuda_every_draft_forward_replays_and_the_host_waits_once_per_step(tm
     draft = llm.engine.executor.runner.draft
     assert draft.graph_runner is not None and draft.step_graphs is not None
     syncs: Counter[str] = Counter()
+    others: list[str] = []
 
     def counted(name: str):
         inner = getattr(draft, name)
@@ -109,7 +110,11 @@ def test_on_cuda_every_draft_forward_replays_and_the_host_waits_once_per_step(tm
                     return inner(*args, **kwargs)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-                    syncs[name] += sum("synchroniz" in str(w.message) for w in caught)
+                    for w in caught:  # torch's own words for a synchronizing call; other warnings are shown
+                        if "called a synchronizing CUDA operation" in str(w.message):
+                            syncs[name] += 1
+                        else:
+                            others.append(f"{name}: {w.category.__name__}: {w.message}")
         return run
 
     for name in ("forward_step", "propose_after"):
@@ -120,4 +125,4 @@ def test_on_cuda_every_draft_forward_replays_and_the_host_waits_once_per_step(tm
     c = draft.counts
     assert c["step eager"] == 0 and c["pass eager"] == 0 and c["pass graph"] == 4 * c["steps"], dict(c)
     assert syncs["forward_step"] == 0 and syncs["propose_after"] == c["host waits"] <= c["steps"], (dict(syncs),
-                                                                                                 dict(c))
+                                                                                                 dict(c), others)
