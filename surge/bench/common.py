@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -152,3 +153,83 @@ def hf_model_for(engine: EngineCore):
     else:
         model = AutoModelForCausalLM.from_pretrained(mc.model, dtype=mc.dtype).to(engine.config.device)
     return model.eval()
+
+
+# Where the engine loop's thread spends a step (HostTimer); "rest" is what none of the others covers.
+HOST_PHASES = ("device wait", "schedule", "outputs", "propose", "advance", "fill", "upload", "apply", "rest")
+
+
+class HostTimer:
+    """Where the engine loop's thread spends a step: waiting for the device (a step's result), scheduling, processing
+    outputs, looking up speculative drafts, and the grammar's work on this thread (advancing the matchers; filling masks, or waiting for the fill
+    when it runs behind the outputs; uploading them; applying them: on a GPU, launching the kernels); the rest is
+    preparing and launching the step. Phases the engine does not have (an older one) stay at zero."""
+
+    def __init__(self, engine: EngineCore) -> None:
+        from surge.worker import executor, model_runner
+
+        self.seconds = dict.fromkeys(("step", *HOST_PHASES[:-1]), 0.0)
+        self.steps = self.waits = 0
+        self._undo = []
+        manager = engine.structured_output
+        self._wrap(engine, "step", "step", count=True)
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(engine, "_process", "outputs")
+        self._wrap(engine, "_propose", "propose")  # inside "outputs": taken out of it in per_step
+        self._wrap(manager, "advance", "advance")
+        self._wrap(manager, "bitmask", "fill")
+        self._wrap(manager, "fill_in_background", "fill", returns_wait=True)
+        self._wrap(model_runner, "_apply_grammar", "upload")  # less the apply inside it, in per_step
+        self._wrap(model_runner, "apply_token_bitmask_", "apply")
+        self._wrap(model_runner.PendingOutput, "result", "device wait")
+        if hasattr(executor, "_RemoteStep"):
+            self._wrap(executor._RemoteStep, "result", "device wait")
+        waits_for = manager.waits_for
+
+        def counted(*a):
+            waited = waits_for(*a)
+            self.waits += waited
+            return waited
+        self._set(manager, "waits_for", counted)
+
+    def _set(self, owner, name: str, value) -> None:
+        shared = isinstance(owner, (type, types.ModuleType))  # else an instance: its own attribute hides the class's
+        self._undo.append((owner, name, getattr(owner, name) if shared else None, shared))
+        setattr(owner, name, value)
+
+    def _wrap(self, owner, name: str, key: str, count: bool = False, returns_wait: bool = False) -> None:
+        if not hasattr(owner, name):
+            return
+        inner, seconds = getattr(owner, name), self.seconds
+
+        def timed(*a):
+            start = time.perf_counter()
+            result = inner(*a)
+            seconds[key] += time.perf_counter() - start
+            self.steps += count
+            if returns_wait:  # the fill's wait, later on this thread
+                return lambda: self._timed_call(result, key)
+            return result
+        self._set(owner, name, timed)
+
+    def _timed_call(self, fn, key: str):
+        start = time.perf_counter()
+        result = fn()
+        self.seconds[key] += time.perf_counter() - start
+        return result
+
+    def restore(self) -> None:
+        for owner, name, original, shared in reversed(self._undo):
+            if shared:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+    def per_step(self) -> dict[str, float]:
+        """Seconds per step of each phase, and "rest" (the step's time in none of them)."""
+        n = max(self.steps, 1)
+        out = {k: v / n for k, v in self.seconds.items()}
+        out["upload"] -= out["apply"]
+        out["outputs"] -= out["propose"]
+        out["rest"] = out["step"] - sum(out[k] for k in HOST_PHASES[:-1])
+        return out

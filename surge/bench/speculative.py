@@ -11,7 +11,7 @@ from collections import Counter
 
 import torch
 
-from surge.bench.common import build_engine, make_workload, run_engine
+from surge.bench.common import HostTimer, build_engine, make_workload, run_engine
 from surge.core.spec_decode_stats import SpecDecodingStats
 from surge.engine.core import EngineCore
 from surge.engine.input_processor import load_tokenizer
@@ -156,8 +156,9 @@ class _AlwaysPropose:
         return [token_ids[-1]] * k
 
 
-def _per_step(engine: EngineCore, workload, repeats: int) -> float:
-    """Seconds per step after the prefill: (whole run - prompt-only run) / the decode steps between."""
+def _per_step(engine: EngineCore, workload, repeats: int) -> tuple[float, dict[str, float]]:
+    """Seconds per step after the prefill: (whole run - prompt-only run) / the decode steps between; and where the
+    engine loop's thread spent a step of the last whole run (HostTimer's phases)."""
     counter = {"steps": 0}
     inner = engine.scheduler.schedule
 
@@ -173,22 +174,42 @@ def _per_step(engine: EngineCore, workload, repeats: int) -> float:
         _timed_run(engine, [(p, 1) for p, _ in workload], 1)
         prefill_steps = counter["steps"]
         counter["steps"] = 0
-        total, _ = _timed_run(engine, workload, repeats)
+        timer = HostTimer(engine)
+        try:
+            total, _ = _timed_run(engine, workload, repeats)
+        finally:
+            timer.restore()
         steps = counter["steps"] / repeats - prefill_steps
     finally:
         engine.scheduler.schedule = inner
-    return (total - prefill) / max(steps, 1)
+    return (total - prefill) / max(steps, 1), timer.per_step()
 
 
 def _verify_cost(args: argparse.Namespace, plain: EngineCore, spec: EngineCore) -> None:
+    """A verification step of k forced drafts against a decode step, and the decode step without async scheduling
+    (speculation steps synchronously: the difference between the two decode figures is the host's share that
+    async scheduling hides), each with the engine loop's host time per step by phase."""
     k = spec.config.speculative_config.num_speculative_tokens
     if spec.proposer is None:
         raise ValueError("--verify-cost forces drafts through the n-gram proposer's place: use method 'ngram'")
     spec.proposer = _AlwaysPropose(k)
+    phases = ("step", "device wait", "schedule", "outputs", "propose", "rest")
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         workload = make_workload(bs, args.input_len, args.output_len, 0.0, plain.config.model_config.vocab_size, bs)
-        decode = _per_step(plain, workload, args.repeats)
-        verify = _per_step(spec, workload, args.repeats)
+        decode, decode_host = _per_step(plain, workload, args.repeats)
+        rows = [("decode", decode, decode_host)]
+        if plain.async_scheduling:
+            plain.async_scheduling = False
+            try:
+                rows.append(("decode, sync", *_per_step(plain, workload, args.repeats)))
+            finally:
+                plain.async_scheduling = True
+        verify, verify_host = _per_step(spec, workload, args.repeats)
+        rows.append((f"verify k={k}", verify, verify_host))
         print(f"batch {bs:4d}, context {args.input_len}..{args.input_len + args.output_len}: decode step "
               f"{decode * 1e3:8.3f} ms, verification step of k={k} ({bs * (k + 1)} tokens) {verify * 1e3:8.3f} ms: "
               f"{verify / decode:.2f}x a decode step", flush=True)
+        print(f"  {'host ms per step':<16}{'step time':>11}" + "".join(f"{p:>13}" for p in phases))
+        for name, seconds, host in rows:
+            print(f"  {name:<16}{seconds * 1e3:11.3f}" + "".join(f"{host[p] * 1e3:13.3f}" for p in phases),
+                  flush=True)

@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-import types
 
 import torch
 
-from surge.bench.common import add_model_args, make_workload
+from surge.bench.common import HOST_PHASES, HostTimer, add_model_args, make_workload
 from surge.core.request import Request
 from surge.engine.args import EngineArgs
 from surge.engine.core import EngineCore
@@ -53,84 +52,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-_PHASES = ("device wait", "schedule", "outputs", "advance", "fill", "upload", "apply", "rest")
-
-
-class _HostTimer:
-    """Where the engine loop's thread spends a step: waiting for the device (a step's result), scheduling, processing
-    outputs, and the grammar's work on this thread (advancing the matchers; filling masks, or waiting for the fill
-    when it runs behind the outputs; uploading them; applying them: on a GPU, launching the kernels); the rest is
-    preparing and launching the step. Phases the engine does not have (an older one) stay at zero."""
-
-    def __init__(self, engine: EngineCore) -> None:
-        from surge.worker import executor, model_runner
-
-        self.seconds = dict.fromkeys(("step", *_PHASES[:-1]), 0.0)
-        self.steps = self.waits = 0
-        self._undo = []
-        manager = engine.structured_output
-        self._wrap(engine, "step", "step", count=True)
-        self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine, "_process", "outputs")
-        self._wrap(manager, "advance", "advance")
-        self._wrap(manager, "bitmask", "fill")
-        self._wrap(manager, "fill_in_background", "fill", returns_wait=True)
-        self._wrap(model_runner, "_apply_grammar", "upload")  # less the apply inside it, in per_step
-        self._wrap(model_runner, "apply_token_bitmask_", "apply")
-        self._wrap(model_runner.PendingOutput, "result", "device wait")
-        if hasattr(executor, "_RemoteStep"):
-            self._wrap(executor._RemoteStep, "result", "device wait")
-        waits_for = manager.waits_for
-
-        def counted(*a):
-            waited = waits_for(*a)
-            self.waits += waited
-            return waited
-        self._set(manager, "waits_for", counted)
-
-    def _set(self, owner, name: str, value) -> None:
-        shared = isinstance(owner, (type, types.ModuleType))  # else an instance: its own attribute hides the class's
-        self._undo.append((owner, name, getattr(owner, name) if shared else None, shared))
-        setattr(owner, name, value)
-
-    def _wrap(self, owner, name: str, key: str, count: bool = False, returns_wait: bool = False) -> None:
-        if not hasattr(owner, name):
-            return
-        inner, seconds = getattr(owner, name), self.seconds
-
-        def timed(*a):
-            start = time.perf_counter()
-            result = inner(*a)
-            seconds[key] += time.perf_counter() - start
-            self.steps += count
-            if returns_wait:  # the fill's wait, later on this thread
-                return lambda: self._timed_call(result, key)
-            return result
-        self._set(owner, name, timed)
-
-    def _timed_call(self, fn, key: str):
-        start = time.perf_counter()
-        result = fn()
-        self.seconds[key] += time.perf_counter() - start
-        return result
-
-    def restore(self) -> None:
-        for owner, name, original, shared in reversed(self._undo):
-            if shared:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
-
-    def per_step(self) -> dict[str, float]:
-        """Seconds per step of each phase, and "rest" (the step's time in none of them)."""
-        n = max(self.steps, 1)
-        out = {k: v / n for k, v in self.seconds.items()}
-        out["upload"] -= out["apply"]
-        out["rest"] = out["step"] - sum(out[k] for k in _PHASES[:-1])
-        return out
-
-
-def _run(engine: EngineCore, workload, params: SamplingParams) -> tuple[float, dict[str, int], _HostTimer]:
+def _run(engine: EngineCore, workload, params: SamplingParams) -> tuple[float, dict[str, int], HostTimer]:
     block = engine.config.cache_config.block_size
     for i, (prompt, out_len) in enumerate(workload):
         # Exactly out_len tokens: EOS ignored (under the schema it cannot come before the schema is complete, and
@@ -139,7 +61,7 @@ def _run(engine: EngineCore, workload, params: SamplingParams) -> tuple[float, d
         engine.add_request(Request(str(i), prompt, p, block))
     counts = {str(i): 0 for i in range(len(workload))}
     _sync(engine.config.device)
-    timer = _HostTimer(engine)
+    timer = HostTimer(engine)
     start = time.perf_counter()
     try:
         while engine.has_unfinished_requests():
@@ -151,7 +73,7 @@ def _run(engine: EngineCore, workload, params: SamplingParams) -> tuple[float, d
     return time.perf_counter() - start, counts, timer
 
 
-def _tpot(engine: EngineCore, workload, params: SamplingParams, repeats: int) -> tuple[float, _HostTimer]:
+def _tpot(engine: EngineCore, workload, params: SamplingParams, repeats: int) -> tuple[float, HostTimer]:
     """(decode of output_len tokens - the prefill alone) / (output_len - 1), each the best of `repeats`; and the
     host breakdown of the best full run."""
     out_len = workload[0][1]
@@ -203,7 +125,7 @@ def run_structured(args: argparse.Namespace) -> None:
           f"{timer.waits} of {timer.steps} steps waited for the token in flight\n"
           f"ratio {masked / base:.3f}x (target <= 1.05x)", flush=True)
     print("host per engine step, ms (best run of each; the loop's thread: 'step' less 'device wait' is its work)")
-    print(f"{'':15}" + "".join(f"{k:>14}" for k in ("step", *_PHASES)))
+    print(f"{'':15}" + "".join(f"{k:>14}" for k in ("step", *HOST_PHASES)))
     for name, t in (("unconstrained", plain_timer), ("JSON schema", timer)):
         phases = t.per_step()
-        print(f"{name:15}" + "".join(f"{phases[k] * 1e3:14.3f}" for k in ("step", *_PHASES)), flush=True)
+        print(f"{name:15}" + "".join(f"{phases[k] * 1e3:14.3f}" for k in ("step", *HOST_PHASES)), flush=True)

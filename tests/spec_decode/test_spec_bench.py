@@ -22,9 +22,15 @@ def test_latency_with_speculation_prints_the_comparison(tmp_path, capsys):
     for line in lines:
         assert re.search(r"speed-up \d+\.\d\dx \| acceptance rate \d+\.\d%, mean accepted length \d\.\d\d", line)
         assert line.endswith("greedy identical: True")
-    assert main(common + spec + ["--verify-cost", "--input-len", "16"]) in (0, None)
+    assert main(common + spec + ["--verify-cost", "--input-len", "16", "--async-scheduling"]) in (0, None)
     out = capsys.readouterr().out
     assert len(re.findall(r"verification step of k=3 \(\d+ tokens\) +\d+\.\d+ ms: \d+\.\d\dx a decode step", out)) == 2
+    # Per batch size, the host's phases of a decode step (async scheduling, then without) and a verification step.
+    rows = {name: [float(v) for v in values.split()] for name, values in
+            re.findall(r"^  (decode|decode, sync|verify k=3) +([\d. ]+)$", out, re.M)}
+    assert set(rows) == {"decode", "decode, sync", "verify k=3"}
+    assert len(re.findall(r"^  verify k=3 ", out, re.M)) == 2
+    assert rows["verify k=3"][5] > 0 and rows["decode"][5] == 0  # the n-gram lookup: "propose", speculation only
 
 
 def test_latency_with_a_draft_model_prints_how_its_forwards_ran(tmp_path, capsys):

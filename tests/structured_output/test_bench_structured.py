@@ -25,7 +25,8 @@ def test_bench_prints_both_runs_and_a_host_breakdown(tiny_model_dir, capsys):
         values = [float(v) for v in next(line for line in out.splitlines()
                                          if line.startswith(run) and "per output" not in line)[15:].split()]
         step, phases = values[0], values[1:]
-        assert step > 0 and abs(sum(phases) - step) < 1e-3 * max(1.0, step)  # the rest closes the sum
+        # The rest closes the sum, up to the printed rounding (half a microsecond per figure).
+        assert step > 0 and abs(sum(phases) - step) <= 5e-4 * (len(phases) + 1) + 1e-9
         assert all(v >= 0 for v in phases[:-1])
         applied[run] = values[names.index("apply") - 1]  # "device wait" is two words of the header
     assert applied["unconstrained"] == 0 and applied["JSON schema"] > 0  # masks applied in the constrained run only
