@@ -412,8 +412,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs (always so off CUDA)
     warmup_workers: int = 1  # kernel warm-up compile threads; 1 is serial (the default), kernels opt in to more
-    # "startup": every graph before serving. "background": start-up captures the batch-1 decode graph, a thread the
-    # rest while the engine serves (one GPU only; under tensor parallelism every graph is captured at start-up). A
+    # "startup": every graph before serving. "background": a thread warms the kernels up and captures every graph
+    # from the first step on, while the engine serves (one GPU only; under tensor parallelism every graph is
+    # captured at start-up). A
     # device-wide synchronize in the engine's process during a capture would break it, so background is for a
     # process that runs only the engine (`surge serve`'s engine core), not for one shared with a user's script.
     cuda_graph_capture: str = "startup"

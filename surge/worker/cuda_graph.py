@@ -9,10 +9,10 @@ launching ~10 kernels per layer one by one; as a graph they launch once. The att
 one capture serves every layout. Graphs capture views of StepInputs' persistent buffers, so a replay only needs
 those buffers filled.
 
-With `cuda_graph_capture="background"` start-up captures only the decode graph of batch 1 (with the warm-up runs
-every first capture needs) and `capture_rest_in_background` follows: a thread captures the others one by one while the engine serves, and each
-graph serves from the moment it is published; until then a step runs eagerly, or replays a larger graph. The
-thread never runs the model: a capture records launches without executing them, so it reads no buffer the engine
+With `cuda_graph_capture="background"` start-up captures none (`capture_in_background`): once the engine's first
+step is launched (a restart's first request: it runs eagerly), or after a second with none, a thread runs the
+kernel warm-up and captures the graphs one by one while the engine serves. Each graph serves from the moment it is
+published; until then a step runs eagerly, or replays a larger graph. The thread never runs the model: a capture records launches without executing them, so it reads no buffer the engine
 is filling and writes no KV; it captures in CUDA's thread-local mode, so the engine's own calls (allocations,
 synchronizations) on other streams stay legal meanwhile. Under tensor parallelism every graph is captured at
 start-up: a capture records collectives, whose order must match across ranks. What the thread cannot survive is a
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -89,29 +90,35 @@ class CUDAGraphRunner:
         """Every graph, largest first (later ones reuse its pool memory): mixed token counts, then decode batches."""
         return [("mixed", t) for t in reversed(self.mixed_sizes)] + [("decode", bs) for bs in reversed(self.sizes)]
 
-    def capture(self, first_only: bool = False) -> float:
-        """Capture every graph now; first_only: just the decode graph of batch 1, the rest to
-        capture_rest_in_background."""
+    def capture(self) -> float:
+        """Capture every graph now."""
         start = time.perf_counter()
-        plan = [("decode", 1)] if first_only else self._plan()
+        plan = self._plan()
         # Memory a collected engine left cached is of no use to the graphs' own pool, and no capture can give it
         # back to the driver (torch.cuda.graph empties the cache before every capture; once is enough).
         torch.cuda.empty_cache()
         self._capture_all(plan, warm_first=True)
         seconds = self.capture_seconds = time.perf_counter() - start
-        if not first_only:
-            logger.info("captured %d CUDA graphs (%s) in %.2f s", len(plan), self._describe(), seconds)
+        logger.info("captured %d CUDA graphs (%s) in %.2f s", len(plan), self._describe(), seconds)
         return seconds
 
-    def capture_rest_in_background(self) -> None:
-        """Capture the graphs not captured yet on a thread; each serves once published."""
-        plan = [(kind, n) for kind, n in self._plan() if n not in (self.graphs if kind == "decode"
-                                                                    else self.mixed_graphs)]
+    def capture_in_background(self, prepare: Callable[[], object] | None = None,
+                              after: threading.Event | None = None, idle_seconds: float = 1.0) -> None:
+        """Capture every graph on a thread, each serving once published: `prepare` (the kernel warm-up) first,
+        and both only once `after` is set (the engine's first step is launched) or `idle_seconds` passed without
+        it. background_seconds counts the thread's time from then on."""
+        plan = self._plan()
         device = self.inputs.input_ids.device
 
         def run() -> None:
+            deadline = time.monotonic() + idle_seconds
+            while after is not None and not after.is_set() and time.monotonic() < deadline:
+                if self._stop.wait(0.01):
+                    return
             start = time.perf_counter()
             try:
+                if prepare is not None:
+                    prepare()
                 torch.cuda.set_device(device)
                 stream = torch.cuda.Stream(device)
                 with torch.cuda.stream(stream):  # this thread's cuBLAS handle and workspace, before any capture

@@ -8,6 +8,7 @@ step on the device (async scheduling).
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,7 +100,7 @@ class ModelRunner:
         self.model = load_model(config, self.device)  # from disk, or mapped from the weight-cache daemon
         self.load_seconds = time.perf_counter() - start
         logger.info("loaded %s (%s, %s) in %.2f s", mc.architecture, mc.dtype, self.device, self.load_seconds)
-        self.sampler = Sampler()
+        self.sampler = Sampler(max_batch=config.scheduler_config.max_num_seqs)
         # The last step's sampled tokens, still on the device (on every rank), and each request's row in them.
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
@@ -127,18 +128,26 @@ class ModelRunner:
         self.inputs = StepInputs(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs,
                                  -(-mc.max_model_len // cc.block_size), len(self.kv_cache_config.groups),
                                  cc.block_size, self.device)
-        self.warmup_seconds = self._warm_up_kernels()
+        if self.device.type == "cuda":
+            use_cached_triton_key()  # before the process's first Triton compile, on whichever thread that is
         self.graph_runner: CUDAGraphRunner | None = None
+        graphs = not config.enforce_eager and self.backend.supports_cuda_graphs
         # Under TP a capture records collectives, whose order must match on every rank: all at start-up.
-        background = config.cuda_graph_capture == "background" and self.tp.world_size == 1
-        if not config.enforce_eager and self.backend.supports_cuda_graphs:
+        background = graphs and config.cuda_graph_capture == "background" and self.tp.world_size == 1
+        # Background: the kernel warm-up and every capture run on a thread once the first step is launched (or the
+        # engine has idled a second), off a restart's way to its first token; that step runs eagerly, its few
+        # kernels loaded from Triton's cache as it launches them.
+        self.first_step_launched = threading.Event()
+        self.warmup_seconds = 0.0 if background else self._warm_up_kernels()  # start-up's share
+        if graphs:
             self.graph_runner = CUDAGraphRunner(self.model, self.inputs, self.backend, sc.max_num_seqs,
                                                 mc.max_model_len)
-            self.graph_runner.capture(first_only=background)
+            if not background:
+                self.graph_runner.capture()
         if self.draft is not None:  # its graphs: decode passes over its buffers, each step's forward over these
             self.draft.capture_graphs(self.inputs)
-        if self.graph_runner is not None and background:  # after every start-up capture (the draft's too)
-            self.graph_runner.capture_rest_in_background()
+        if background:  # after every start-up capture (the draft's)
+            self.graph_runner.capture_in_background(prepare=self._warm_up_kernels, after=self.first_step_launched)
 
     # ---- start-up ----
     def _warm_up_kernels(self) -> float:
@@ -150,8 +159,6 @@ class ModelRunner:
                                  tuple(sorted({t == "sliding_attention" for t in mc.layer_types})))
         sizes = capture_sizes(sc.max_num_seqs) if not self.config.enforce_eager else []
         start = time.perf_counter()
-        if self.device.type == "cuda":
-            use_cached_triton_key()
         compiled = self.backend.warm_up(self.device, shapes, sizes, sc.max_num_seqs, self.config.warmup_workers)
         seconds = time.perf_counter() - start
         if compiled:
@@ -233,6 +240,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             pending.done = torch.cuda.Event()
             pending.done.record()
+        if not out.is_empty and not self.first_step_launched.is_set():
+            self.first_step_launched.set()
         return pending
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest], states: list[CachedRequestState]) -> StepBatch:

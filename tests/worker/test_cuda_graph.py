@@ -1,6 +1,8 @@
 """Capture sizes cover every batch up to max_num_seqs with bounded padding; the replay test needs CUDA."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -37,9 +39,10 @@ def test_graph_replay_matches_eager():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_background_capture_serves_while_capturing_and_matches_eager():
-    """Start-up captures the batch-1 graph; the rest land while requests run (steps before theirs run eagerly or
-    replay a larger graph). The tokens equal an eager engine's, during the capture and after it, and every graph
-    is there in the end. A shutdown during the capture stops it."""
+    """Start-up captures nothing; the kernel warm-up and every capture wait for the first step's launch, then land
+    while requests run (steps before theirs run eagerly or replay a larger graph). The tokens equal an eager
+    engine's, during the capture and after it, and every graph is there in the end. An engine that gets no step
+    captures after idling a second; a shutdown before or during the capture stops it."""
     from surge.bench.common import run_engine
     from surge.engine.args import EngineArgs
     from surge.engine.core import EngineCore
@@ -53,7 +56,8 @@ def test_background_capture_serves_while_capturing_and_matches_eager():
     expected = run_engine(engine(enforce_eager=True), workload, show_progress=False)
     bg = engine(cuda_graph_capture="background")
     graphs = bg.executor.runner.graph_runner
-    assert 1 in graphs.graphs  # start-up's share; the rest on the thread (background_seconds below)
+    time.sleep(0.3)
+    assert not graphs.graphs and not graphs.mixed_graphs  # the thread waits for the first step
     during = run_engine(bg, workload, show_progress=False)
     assert graphs.wait(120) and graphs.background_seconds > 0
     assert sorted(graphs.graphs) == graphs.sizes and sorted(graphs.mixed_graphs) == graphs.mixed_sizes
@@ -61,8 +65,14 @@ def test_background_capture_serves_while_capturing_and_matches_eager():
     assert run_engine(bg, workload, show_progress=False) == expected
     bg.shutdown()
 
+    idle = engine(cuda_graph_capture="background")
+    graphs = idle.executor.runner.graph_runner
+    assert graphs.wait(120) and sorted(graphs.graphs) == graphs.sizes  # no step came: captured after the idle second
+    assert run_engine(idle, workload, show_progress=False) == expected
+    idle.shutdown()
+
     stopped = engine(cuda_graph_capture="background")
-    stopped.shutdown()  # joins the capture thread after its graph in progress
+    stopped.shutdown()  # joins the capture thread (waiting, or after its graph in progress)
     assert not stopped.executor.runner.graph_runner.capturing
 
 

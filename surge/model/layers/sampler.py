@@ -41,11 +41,13 @@ class Sampler:
     semantics: the Triton kernel (surge/kernels/sampling.py) on CUDA when some sampling row asks for top-k or top-p
     and none for min-p (see _kernel_serves); else torch (sort, softmax, race). Greedy alone is one argmax."""
 
-    def __init__(self, use_kernel: bool | None = None) -> None:
+    def __init__(self, use_kernel: bool | None = None, max_batch: int = 0) -> None:
         # None: the kernel on CUDA only. True: on the CPU too (tests, under TRITON_INTERPRET=1). False: never.
         self.use_kernel = use_kernel
         self._kernel = None  # TopKTopPSampler, imported on first use: the import compiles nothing but needs Triton
-        self._max_batch = 0  # the capacity launches are chosen for (a pure function of it); set by warm_up
+        # The capacity launches are chosen for (a pure function of it): the engine's max_num_seqs, known before the
+        # warm-up (which may run later, on a thread), so a batch launches alike before and after it.
+        self._max_batch = max_batch
 
     def warm_up(self, device: torch.device, max_batch: int, vocab_size: int, dtype: torch.dtype,
                 max_workers: int = 4) -> float:
