@@ -4,7 +4,7 @@ router weight fused into its epilogue, then the k weighted rows of each token su
 
 Every shape is static (the padded pair count is its upper bound, blocks past the live ones exit at once), so one
 CUDA graph replays any routing. Defined by surge/kernels/reference.py's fused_moe; ids of -1 (experts another rank
-holds) contribute nothing.
+holds) contribute nothing. The alignment is surge/kernels/moe_routing.py's.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from surge.kernels.moe_routing import align_to_blocks
 
 # Rows of a block: tl.dot needs at least 16; more than 64 with two accumulators (gate and up) spills registers.
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
@@ -54,36 +56,6 @@ def launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
     block_m = min(MAX_BLOCK_M, max(MIN_BLOCK_M, triton.next_power_of_2(pairs_per_expert)))
     # The gate|up GEMM's N is each half's width: one program computes a tile of gate and the same tile of up.
     return MoeLaunch(block_m, _tiles(block_m, intermediate, hidden), _tiles(block_m, hidden, intermediate))
-
-
-def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Rows of the sorted pair list: every expert may leave a partly filled block."""
-    return triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
-
-
-def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted pair ids [P], expert of each block [P / block_m]): pair p = token * k + slot, grouped by expert in
-    ascending order, each group padded to whole blocks with the id num_pairs; blocks past the last group (and
-    pairs of expert -1) have expert -1. P is max_padded_pairs. Device ops only, no host sync."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    num_pairs, device = flat.numel(), flat.device
-    padded_rows = max_padded_pairs(num_pairs, num_experts, block_m)
-    bucket = torch.where(flat < 0, num_experts, flat)  # remote experts sort last, into a bucket no block reads
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    group_start = padded_end - padded
-    order = torch.argsort(bucket, stable=True)
-    sorted_bucket = bucket[order]
-    rank_in_group = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_bucket]
-    row = torch.where(sorted_bucket < num_experts, group_start[sorted_bucket] + rank_in_group, padded_rows)
-    sorted_ids = torch.full((padded_rows + 1,), num_pairs, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, row, order.to(torch.int32))
-    block_start = torch.arange(0, padded_rows, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end[:num_experts], block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_ids[:padded_rows], block_expert
 
 
 @triton.jit

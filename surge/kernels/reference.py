@@ -37,3 +37,29 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
         y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down[expert])
         out.index_add_(0, token, y * topk_weights[token, slot, None])
     return out
+
+
+def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted pair ids [P], expert of each block [P / block_m]): pair p = token * k + slot, grouped by expert in
+    ascending order (a stable sort), each group padded to whole blocks with the id num_pairs; blocks past the last
+    group (and pairs of expert -1) have expert -1. P = ceil((num_pairs + E * (block_m - 1)) / block_m) * block_m,
+    the most any routing needs. Device ops only, no host sync."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs, device = flat.numel(), flat.device
+    padded_rows = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    bucket = torch.where(flat < 0, num_experts, flat)  # remote experts sort last, into a bucket no block reads
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    group_start = padded_end - padded
+    order = torch.argsort(bucket, stable=True)
+    sorted_bucket = bucket[order]
+    rank_in_group = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_bucket]
+    row = torch.where(sorted_bucket < num_experts, group_start[sorted_bucket] + rank_in_group, padded_rows)
+    sorted_ids = torch.full((padded_rows + 1,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, row, order.to(torch.int32))
+    block_start = torch.arange(0, padded_rows, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end[:num_experts], block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_ids[:padded_rows], block_expert

@@ -1,11 +1,14 @@
 """Fused MoE kernel: equals the torch reference (surge/kernels/reference.py, HF's experts loop) on random shapes, for
 every launch geometry, with experts that receive no tokens, a single token, and experts held by another rank; the
-block alignment against a plain Python model; the launch policy at its N/N+1 boundaries; CUDA graph replay."""
+router kernel against torch's softmax and topk (ties against a stable sort); the block alignment kernels against a
+plain Python model and exactly against the torch alignment, the fused output bitwise alike with either; the launch
+policies at their N/N+1 boundaries; CUDA graph replay of router and experts."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from surge.kernels.reference import align_to_blocks as torch_align
 from surge.kernels.reference import fused_moe as reference
 
 
@@ -79,7 +82,7 @@ def test_bf16_equals_reference(device, require_bf16_dot):
 
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_alignment_against_a_plain_model(block_m, device):
-    from surge.kernels.fused_moe import align_to_blocks, max_padded_pairs
+    from surge.kernels.moe_routing import align_to_blocks, max_padded_pairs
 
     g = torch.Generator().manual_seed(block_m)
     num_experts, ids = 6, torch.randint(-1, 5, (23, 3), generator=g)  # expert 5 gets nothing, -1 is remote
@@ -96,6 +99,152 @@ def test_alignment_against_a_plain_model(block_m, device):
     expected_ids += [num_pairs] * (rows - len(expected_ids))
     expected_blocks += [-1] * (rows // block_m - len(expected_blocks))
     assert sorted_ids == expected_ids and block_expert == expected_blocks
+
+
+def _torch_route(logits, top_k, renormalize):
+    """HF's routing: softmax in float32, torch.topk, renormalized."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return (weights / weights.sum(-1, keepdim=True) if renormalize else weights), ids
+
+
+# (tokens, experts, top_k): decode of Qwen3-30B-A3B; experts not a power of two; one program per row up to 16
+# tokens, several rows per program beyond (and a last program partly past the rows); every expert chosen.
+ROUTES = [(1, 128, 8), (16, 10, 3), (17, 60, 4), (45, 6, 6)]
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=[f"T{r[0]}-E{r[1]}-k{r[2]}" for r in ROUTES])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_equals_torch_topk(route, renormalize, dtype, device):
+    from surge.model.layers.moe import select_experts
+
+    num_tokens, num_experts, top_k = route
+    g = torch.Generator().manual_seed(num_tokens)
+    logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).to(dtype)
+    expected_weights, expected_ids = _torch_route(logits, top_k, renormalize)
+    weights, ids = select_experts(logits.to(device), top_k, renormalize, dtype, use_kernel=True)
+    assert weights.dtype == dtype and ids.dtype == torch.int32 and ids.shape == (num_tokens, top_k)
+    assert ids.cpu().long().tolist() == expected_ids.tolist()
+    # float32: within the rounding of exp and two divisions; bf16: the same float32 value rounded (one ulp apart
+    # at most, where the float32 values straddle a rounding boundary).
+    tol = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 2 ** -8, "atol": 0}
+    torch.testing.assert_close(weights.cpu().float(), expected_weights.to(dtype).float(), **tol)
+
+
+def test_router_ties_go_to_the_lowest_expert(device):
+    """Logits from a few values, so most rows tie, some across the k-th place; a row of -inf but for one expert.
+    The reference ranks by a stable descending sort of the logits: equal logits in ascending expert order."""
+    from surge.model.layers.moe import select_experts
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randint(0, 3, (33, 12), generator=g).float()
+    logits[5] = float("-inf")
+    logits[5, 9] = 1.0
+    top_k = 4
+    expected_ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    probs = torch.softmax(logits, dim=-1)
+    expected = probs.gather(1, expected_ids)
+    expected = expected / expected.sum(-1, keepdim=True)
+    weights, ids = select_experts(logits.to(device), top_k, True, torch.float32, use_kernel=True)
+    assert ids.cpu().long().tolist() == expected_ids.tolist()
+    assert ids[5, 0] == 9 and ids[5, 1:].tolist() == [0, 1, 2]  # then the lowest of the -inf experts
+    torch.testing.assert_close(weights.cpu(), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_router_launch_boundaries():
+    from surge.kernels.moe_routing import router_launch
+
+    assert router_launch(16, 128, 8).rows == 1 and router_launch(17, 128, 8).rows == 16
+    assert router_launch(17, 8, 2).rows == 32 and router_launch(4096, 8, 2).rows == 256
+    assert router_launch(1, 128, 8) == router_launch(16, 128, 8)
+    launch = router_launch(1, 60, 5)
+    assert (launch.experts_pad, launch.top_k_pad) == (64, 8)
+    for bad in [{"num_tokens": 0}, {"top_k": 9}, {"num_experts": 0}]:
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            router_launch(**{"num_tokens": 4, "num_experts": 8, "top_k": 2, **bad})
+
+
+def _routing(num_tokens, top_k, num_experts, seed, remote=0.0):
+    """Ids of experts [0, num_experts - 2] (the last gets nothing), a `remote` share of them -1."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, num_experts - 1, (num_tokens, top_k), generator=g)
+    return torch.where(torch.rand(num_tokens, top_k, generator=g) < remote, -1, ids)
+
+
+def _align_launches(num_pairs, num_experts, block_m):
+    """The chosen geometry, then forced ones: several steps in one program, and several programs of several steps
+    (pairs counted and placed across step and program boundaries)."""
+    import triton
+
+    from surge.kernels.moe_routing import AlignLaunch, align_launch
+
+    pad = triton.next_power_of_2(num_experts)
+    return [align_launch(num_pairs, num_experts, block_m), AlignLaunch(pad, 16, 64 * -(-num_pairs // 64), 1, 16),
+            AlignLaunch(pad, 16, 32, -(-num_pairs // 32), 16)]
+
+
+# (tokens, top_k, experts, block_m, remote share): one token; Qwen3-30B-A3B decode; remote experts; two steps of
+# one program; the two-launch path (600 pairs of 64 experts: five programs, test_align_launch_boundaries).
+ALIGNS = [(1, 2, 6, 16, 0.0), (1, 8, 128, 16, 0.0), (23, 3, 6, 32, 0.3), (70, 3, 64, 16, 0.1), (300, 4, 8, 64, 0.0),
+          (150, 4, 64, 64, 0.1)]
+
+
+@pytest.mark.parametrize("case", ALIGNS, ids=[f"T{c[0]}-k{c[1]}-E{c[2]}-m{c[3]}" for c in ALIGNS])
+def test_alignment_equals_torch(case, device):
+    """Exactly the torch alignment (a stable sort): sorted ids, blocks' experts, every padding row."""
+    from surge.kernels.moe_routing import align_to_blocks
+
+    num_tokens, top_k, num_experts, block_m, remote = case
+    ids = _routing(num_tokens, top_k, num_experts, seed=num_tokens, remote=remote)
+    expected = torch_align(ids, num_experts, block_m)
+    for launch in _align_launches(num_tokens * top_k, num_experts, block_m):
+        for dtype in (torch.int32, torch.int64):
+            got = align_to_blocks(ids.to(device=device, dtype=dtype), num_experts, block_m, launch=launch)
+            assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1]), launch
+
+
+def test_fused_output_bitwise_alike_with_either_alignment(device, monkeypatch):
+    """Each pair writes its own row, so the output does not depend on where in its group a pair is placed: fed by
+    the torch alignment, or by one that reverses each block's pairs (which no alignment makes), the kernels give the
+    very same bits as with the Triton alignment."""
+    import surge.kernels.fused_moe as fm
+
+    x, gate_up, down, weights, _ = _case(70, 6, 3, 48, 40, torch.bfloat16, device, seed=11)
+    ids = _routing(70, 3, 6, seed=11, remote=0.2).to(device)
+    ours = fm.fused_moe(x, gate_up, down, weights, ids)
+
+    def shuffled(topk_ids, num_experts, block_m):
+        sorted_ids, block_expert = torch_align(topk_ids, num_experts, block_m)
+        num_pairs, order = topk_ids.numel(), sorted_ids.clone()
+        for block in range(block_expert.numel()):  # reverse each block's live pairs
+            rows = sorted_ids[block * block_m:(block + 1) * block_m]
+            live = rows[rows < num_pairs]
+            order[block * block_m:block * block_m + live.numel()] = live.flip(0)
+        return order, block_expert
+
+    for align in (torch_align, shuffled):
+        monkeypatch.setattr(fm, "align_to_blocks", align)
+        assert torch.equal(fm.fused_moe(x, gate_up, down, weights, ids), ours), align.__name__
+
+
+def test_align_launch_boundaries():
+    from surge.kernels.moe_routing import MAX_ALIGN_PROGRAMS, align_launch
+
+    # 128 experts: one-hot steps of 64 pairs; one program of up to 4 steps, then programs of one step each up to
+    # MAX_ALIGN_PROGRAMS, then longer chunks.
+    assert align_launch(8, 128, 16).num_programs == 1 and align_launch(8, 128, 16).pairs_per_step == 16
+    assert align_launch(256, 128, 16).num_programs == 1 and align_launch(256, 128, 16).chunk == 256
+    assert align_launch(257, 128, 16).num_programs == 5 and align_launch(257, 128, 16).chunk == 64
+    assert align_launch(64 * 64, 128, 16).num_programs == 64 and align_launch(64 * 64, 128, 16).chunk == 64
+    big = align_launch(64 * 64 + 1, 128, 64)
+    assert big.chunk == 128 and big.num_programs == 33 <= MAX_ALIGN_PROGRAMS
+    assert align_launch(1 << 20, 128, 64).num_programs == MAX_ALIGN_PROGRAMS
+    assert align_launch(4096, 8, 16).num_programs == 1 and align_launch(4097, 8, 16).num_programs == 5
+    assert align_launch(1200, 8, 64).num_programs == 1 and align_launch(600, 64, 64).num_programs == 5
+    assert align_launch(8, 128, 16).blocks_per_step == 64 and align_launch(8, 4, 64).blocks_per_step == 64
+    with pytest.raises(ValueError, match="block_m"):
+        align_launch(8, 128, 0)
 
 
 def test_launch_policy_boundaries():

@@ -22,10 +22,20 @@ from surge.model.layers.linear import Linear
 _PROJECTIONS = ("gate", "up", "down", "gate_up")
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype,
+                   use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in dtype, expert ids [T, k]): softmax in float32 over the experts, the top k, divided by
-    their sum when renormalize (norm_topk_prob), as HF transformers routes."""
+    their sum when renormalize (norm_topk_prob), as HF transformers routes.
+
+    use_kernel: None, the fused router kernel on CUDA (one launch instead of softmax, topk's sorts and the sum;
+    int32 ids, ties to the lowest expert id) and torch elsewhere; True, the kernel on any device (tests, under
+    TRITON_INTERPRET=1); False, torch."""
+    if use_kernel is None:
+        use_kernel = router_logits.is_cuda
+    if use_kernel:
+        # Triton reads TRITON_INTERPRET when this is imported.
+        from surge.kernels.moe_routing import route
+        return route(router_logits, top_k, renormalize, dtype)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
