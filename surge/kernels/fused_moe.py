@@ -1,6 +1,6 @@
 """Fused mixture of experts in Triton: the (token, expert) pairs sorted by expert and padded per expert to whole
 blocks of rows, one grouped GEMM for gate|up with SiLU-and-mul fused into its epilogue, one for down with the
-router weight fused into its epilogue, then the k weighted rows of each token summed.
+router weight fused into its epilogue, then the k weighted rows of each token summed by one more kernel.
 
 Every shape is static (the padded pair count is its upper bound, blocks past the live ones exit at once), so one
 CUDA graph replays any routing. Defined by surge/kernels/reference.py's fused_moe; ids of -1 (experts another rank
@@ -33,6 +33,7 @@ class MoeLaunch:
     block_m: int  # rows (pairs) per block: each expert's pairs are padded to a multiple of it
     gate_up: GemmTiles  # N: the intermediate size (gate and up both), K: hidden
     down: GemmTiles  # N: hidden, K: the intermediate size
+    combine_block: int = 1024  # hidden columns per program of the weighted rows' sum
 
 
 def _tiles(block_m: int, n: int, k: int) -> GemmTiles:
@@ -55,7 +56,8 @@ def launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
     pairs_per_expert = triton.cdiv(num_tokens * top_k, num_experts)
     block_m = min(MAX_BLOCK_M, max(MIN_BLOCK_M, triton.next_power_of_2(pairs_per_expert)))
     # The gate|up GEMM's N is each half's width: one program computes a tile of gate and the same tile of up.
-    return MoeLaunch(block_m, _tiles(block_m, intermediate, hidden), _tiles(block_m, hidden, intermediate))
+    return MoeLaunch(block_m, _tiles(block_m, intermediate, hidden), _tiles(block_m, hidden, intermediate),
+                     combine_block=min(1024, max(16, triton.next_power_of_2(hidden))))
 
 
 @triton.jit
@@ -80,7 +82,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr
         u_ptrs = g_ptrs + N * stride_wn
         gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in range(tl.cdiv(K, BLOCK_K)):
             k_ok = ks < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
@@ -115,7 +117,7 @@ def _down_weighted_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_pt
         a_ptrs = a_ptr + pair64[:, None] * stride_am + ks[None, :]
         w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in range(tl.cdiv(K, BLOCK_K)):
             k_ok = ks < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
@@ -127,10 +129,30 @@ def _down_weighted_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_pt
         tl.store(out_ptrs, (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _combine_kernel(rows_ptr, ids_ptr, out_ptr, hidden, expert_offset, num_experts, TOP_K: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    """out[t] = the sum over slots j of rows[t * TOP_K + j], in float32 in slot order, skipping the pairs whose
+    expert another rank holds (their rows are never written)."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        local = tl.load(ids_ptr + pair).to(tl.int32) - expert_offset
+        here = (local >= 0) & (local < num_experts)
+        acc += tl.load(rows_ptr + pair * hidden + cols, mask=col_ok & here, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, launch: MoeLaunch | None = None) -> torch.Tensor:
-    """x [T, H]; gate_up [E, 2I, H] ([gate | up] rows); down [E, H, I]; topk_weights, topk_ids [T, k] (ids in
-    [-1, E), -1: not here). Returns [T, H] in x's dtype."""
+              topk_ids: torch.Tensor, launch: MoeLaunch | None = None, expert_offset: int = 0) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H] ([gate | up] rows); down [E, H, I]; topk_weights, topk_ids [T, k]. Returns
+    [T, H] in x's dtype. Four launches: alignment, gate|up, down, combine.
+
+    This rank holds experts [expert_offset, expert_offset + E) of the ids (global ones under expert parallelism;
+    local ones, -1 for another rank's, with the default 0): any other id contributes nothing."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
@@ -142,7 +164,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     launch = launch or launch_policy(num_tokens, top_k, num_experts, hidden, inter)
     num_pairs = num_tokens * top_k
-    sorted_ids, block_expert = align_to_blocks(topk_ids, num_experts, launch.block_m)
+    sorted_ids, block_expert = align_to_blocks(topk_ids, num_experts, launch.block_m, expert_offset)
     num_blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
@@ -152,12 +174,15 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT_PRECISION=precision,
         num_warps=t.num_warps, num_stages=t.num_stages)
-    # Rows of pairs whose expert another rank holds are never written: they must read as zero in the sum.
-    rows = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    rows = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # the rows of pairs held here
     t = launch.down
     _down_weighted_kernel[(num_blocks * triton.cdiv(hidden, t.block_n),)](
         act, down, rows, sorted_ids, block_expert, topk_weights.contiguous(), num_pairs, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), rows.stride(0),
         BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT_PRECISION=precision,
         num_warps=t.num_warps, num_stages=t.num_stages)
-    return rows.view(num_tokens, top_k, hidden).sum(dim=1)
+    out = torch.empty_like(x)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, launch.combine_block))](
+        rows, ids, out, hidden, expert_offset, num_experts, TOP_K=top_k, BLOCK_H=launch.combine_block, num_warps=4)
+    return out

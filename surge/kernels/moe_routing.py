@@ -130,17 +130,19 @@ def align_launch(num_pairs: int, num_experts: int, block_m: int) -> AlignLaunch:
 
 
 @triton.jit
-def _one_hot(ids_ptr, pairs, end, EXPERTS_PAD: tl.constexpr):
-    """[pairs, experts] int32, 1 where the pair goes to the expert; a row of zeros for ids of -1 and past end."""
-    expert = tl.load(ids_ptr + pairs, mask=pairs < end, other=-1)
+def _one_hot(ids_ptr, pairs, end, expert_offset, num_experts, EXPERTS_PAD: tl.constexpr):
+    """[pairs, experts] int32, 1 where the pair goes to the (local) expert, and the local ids: -1, a row of zeros,
+    for ids outside [expert_offset, expert_offset + num_experts) (-1 among them) and pairs past end."""
+    expert = tl.load(ids_ptr + pairs, mask=pairs < end, other=-1).to(tl.int32) - expert_offset
+    expert = tl.where((expert >= 0) & (expert < num_experts) & (pairs < end), expert, -1)
     return (expert[:, None] == tl.arange(0, EXPERTS_PAD)[None, :]).to(tl.int32), expert
 
 
 @triton.jit
-def _count(ids_ptr, start, end, PER_STEP: tl.constexpr, EXPERTS_PAD: tl.constexpr):
+def _count(ids_ptr, start, end, expert_offset, num_experts, PER_STEP: tl.constexpr, EXPERTS_PAD: tl.constexpr):
     counts = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
     for s in range(start, end, PER_STEP):
-        hot, _ = _one_hot(ids_ptr, s + tl.arange(0, PER_STEP), end, EXPERTS_PAD)
+        hot, _ = _one_hot(ids_ptr, s + tl.arange(0, PER_STEP), end, expert_offset, num_experts, EXPERTS_PAD)
         counts += tl.sum(hot, axis=0)
     return counts
 
@@ -155,16 +157,17 @@ def _groups(counts, num_experts, BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexp
 
 
 @triton.jit
-def _place(ids_ptr, sorted_ids_ptr, start, end, first_row, PER_STEP: tl.constexpr, EXPERTS_PAD: tl.constexpr):
+def _place(ids_ptr, sorted_ids_ptr, start, end, first_row, expert_offset, num_experts, PER_STEP: tl.constexpr,
+           EXPERTS_PAD: tl.constexpr):
     """sorted_ids[row] = pair for pairs [start, end), first_row[e] being the row of the range's first pair of e; in
     pair order within an expert, as a stable sort places them."""
     next_row = first_row
     for s in range(start, end, PER_STEP):
         pairs = s + tl.arange(0, PER_STEP)
-        hot, expert = _one_hot(ids_ptr, pairs, end, EXPERTS_PAD)
+        hot, expert = _one_hot(ids_ptr, pairs, end, expert_offset, num_experts, EXPERTS_PAD)
         before = tl.cumsum(hot, axis=0) - hot  # earlier pairs of the same expert in this step
         row = tl.sum(hot * (before + next_row[None, :]), axis=1)
-        tl.store(sorted_ids_ptr + row, pairs, mask=(pairs < end) & (expert >= 0))
+        tl.store(sorted_ids_ptr + row, pairs, mask=expert >= 0)
         next_row += tl.sum(hot, axis=0)
 
 
@@ -188,30 +191,31 @@ def _mark_blocks(sorted_ids_ptr, block_expert_ptr, counts, group_start, padded_e
 
 
 @triton.jit
-def _align_one_program_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
-                              BLOCK_M: tl.constexpr, PER_STEP: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+def _align_one_program_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, expert_offset, num_experts,
+                              num_blocks, BLOCK_M: tl.constexpr, PER_STEP: tl.constexpr, EXPERTS_PAD: tl.constexpr,
                               BLOCKS: tl.constexpr):
-    counts = _count(ids_ptr, 0, num_pairs, PER_STEP, EXPERTS_PAD)
+    counts = _count(ids_ptr, 0, num_pairs, expert_offset, num_experts, PER_STEP, EXPERTS_PAD)
     group_start, padded_end = _groups(counts, num_experts, BLOCK_M, EXPERTS_PAD)
-    _place(ids_ptr, sorted_ids_ptr, 0, num_pairs, group_start, PER_STEP, EXPERTS_PAD)
+    _place(ids_ptr, sorted_ids_ptr, 0, num_pairs, group_start, expert_offset, num_experts, PER_STEP, EXPERTS_PAD)
     _mark_blocks(sorted_ids_ptr, block_expert_ptr, counts, group_start, padded_end, 0, num_blocks, num_pairs,
                  num_experts, BLOCK_M, BLOCKS, EXPERTS_PAD)
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, CHUNK: tl.constexpr, PER_STEP: tl.constexpr,
-                        EXPERTS_PAD: tl.constexpr):
+def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, expert_offset, num_experts, CHUNK: tl.constexpr,
+                        PER_STEP: tl.constexpr, EXPERTS_PAD: tl.constexpr):
     """counts[c, e]: the pairs of expert e in chunk c."""
     chunk = tl.program_id(0)
     start = chunk * CHUNK
-    counts = _count(ids_ptr, start, tl.minimum(start + CHUNK, num_pairs), PER_STEP, EXPERTS_PAD)
+    counts = _count(ids_ptr, start, tl.minimum(start + CHUNK, num_pairs), expert_offset, num_experts, PER_STEP,
+                    EXPERTS_PAD)
     tl.store(counts_ptr + chunk * EXPERTS_PAD + tl.arange(0, EXPERTS_PAD), counts)
 
 
 @triton.jit
-def _align_place_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, num_chunks,
-                        num_blocks, blocks_per_program, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                        PER_STEP: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCKS: tl.constexpr):
+def _align_place_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, expert_offset,
+                        num_experts, num_chunks, num_blocks, blocks_per_program, BLOCK_M: tl.constexpr,
+                        CHUNK: tl.constexpr, PER_STEP: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCKS: tl.constexpr):
     """Chunk c's pairs after those of the chunks before it (each program sums every chunk's counts itself), and a
     share of the blocks."""
     chunk = tl.program_id(0)
@@ -224,20 +228,23 @@ def _align_place_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, block_expert_ptr, n
         earlier += tl.where(c < chunk, counts, 0)
     group_start, padded_end = _groups(totals, num_experts, BLOCK_M, EXPERTS_PAD)
     start = chunk * CHUNK
-    _place(ids_ptr, sorted_ids_ptr, start, tl.minimum(start + CHUNK, num_pairs), group_start + earlier, PER_STEP,
-           EXPERTS_PAD)
+    _place(ids_ptr, sorted_ids_ptr, start, tl.minimum(start + CHUNK, num_pairs), group_start + earlier, expert_offset,
+           num_experts, PER_STEP, EXPERTS_PAD)
     first_block = chunk * blocks_per_program
     _mark_blocks(sorted_ids_ptr, block_expert_ptr, totals, group_start, padded_end, first_block,
                  tl.minimum(first_block + blocks_per_program, num_blocks), num_pairs, num_experts, BLOCK_M, BLOCKS,
                  EXPERTS_PAD)
 
 
-def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_offset: int = 0,
                     launch: AlignLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted pair ids [P] int32, expert of each block [P / block_m] int32), P = max_padded_pairs: pair
     p = token * k + slot, grouped by expert in ascending order and by pair within a group (a stable sort), each group
     padded to whole blocks with the id num_pairs; blocks past the last group have expert -1, and pairs of expert -1
-    take no row. Equals surge/kernels/reference.py's align_to_blocks exactly."""
+    take no row. Equals surge/kernels/reference.py's align_to_blocks exactly.
+
+    expert_offset: the ids are global and this rank holds experts [expert_offset, expert_offset + num_experts), the
+    local ids being id - expert_offset; any other id (-1 among them) takes no row, like -1 with offset 0."""
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
@@ -249,15 +256,15 @@ def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     launch = launch or align_launch(max(num_pairs, 1), num_experts, block_m)
     common = {"BLOCK_M": block_m, "PER_STEP": launch.pairs_per_step, "EXPERTS_PAD": launch.experts_pad}
     if launch.num_programs == 1:
-        _align_one_program_kernel[(1,)](ids, sorted_ids, block_expert, num_pairs, num_experts, num_blocks,
-                                        BLOCKS=launch.blocks_per_step, **common, num_warps=4)
+        _align_one_program_kernel[(1,)](ids, sorted_ids, block_expert, num_pairs, expert_offset, num_experts,
+                                        num_blocks, BLOCKS=launch.blocks_per_step, **common, num_warps=4)
         return sorted_ids, block_expert
     counts = torch.empty(launch.num_programs, launch.experts_pad, dtype=torch.int32, device=device)
-    _align_count_kernel[(launch.num_programs,)](ids, counts, num_pairs, CHUNK=launch.chunk,
-                                                PER_STEP=launch.pairs_per_step, EXPERTS_PAD=launch.experts_pad,
-                                                num_warps=4)
+    _align_count_kernel[(launch.num_programs,)](ids, counts, num_pairs, expert_offset, num_experts,
+                                                CHUNK=launch.chunk, PER_STEP=launch.pairs_per_step,
+                                                EXPERTS_PAD=launch.experts_pad, num_warps=4)
     _align_place_kernel[(launch.num_programs,)](
-        ids, counts, sorted_ids, block_expert, num_pairs, num_experts, launch.num_programs, num_blocks,
+        ids, counts, sorted_ids, block_expert, num_pairs, expert_offset, num_experts, launch.num_programs, num_blocks,
         triton.cdiv(num_blocks, launch.num_programs), CHUNK=launch.chunk, BLOCKS=launch.blocks_per_step, **common,
         num_warps=4)
     return sorted_ids, block_expert

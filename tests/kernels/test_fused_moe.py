@@ -25,7 +25,7 @@ def _case(num_tokens, num_experts, top_k, hidden, inter, dtype, device, seed=0, 
 
 
 def _check(got, expected, dtype):
-    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got.float(), expected.float(), **tol)
 
 
@@ -33,7 +33,7 @@ def _launches(num_tokens, num_experts, top_k, hidden, inter):
     from surge.kernels.fused_moe import GemmTiles, MoeLaunch, launch_policy
 
     chosen = launch_policy(num_tokens, top_k, num_experts, hidden, inter)
-    return [chosen, MoeLaunch(16, GemmTiles(16, 16, 4, 2), GemmTiles(32, 16, 4, 2)),
+    return [chosen, MoeLaunch(16, GemmTiles(16, 16, 4, 2), GemmTiles(32, 16, 4, 2), combine_block=16),
             MoeLaunch(32, GemmTiles(32, 64, 4, 2), GemmTiles(16, 32, 4, 2)),
             MoeLaunch(64, GemmTiles(64, 32, 4, 2), GemmTiles(64, 64, 4, 2))]
 
@@ -55,8 +55,22 @@ def test_equals_reference_for_every_geometry(shape, device):
         _check(fused_moe(x, gate_up, down, weights, ids, launch=launch).cpu(), expected, torch.float32)
 
 
-def test_experts_held_elsewhere_contribute_nothing(device):
-    """Expert parallelism: ids of -1; a token whose experts are all remote gets zeros."""
+@pytest.fixture
+def garbage_memory(monkeypatch):
+    """torch.empty and empty_like return NaN (floats) or -7777 (integers): a kernel output left partly unwritten,
+    or a row read that no kernel wrote, shows."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan") if t.is_floating_point() else -7777)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
+
+
+def test_experts_held_elsewhere_contribute_nothing(device, garbage_memory):
+    """Expert parallelism: ids of -1 (local ids), or global ids with this rank's expert_offset; a token whose
+    experts are all remote gets zeros, though no kernel writes its rows."""
     from surge.kernels.fused_moe import fused_moe
 
     x, gate_up, down, weights, ids = _case(29, 4, 3, 64, 32, torch.float32, device, seed=3, remote=4)
@@ -66,6 +80,9 @@ def test_experts_held_elsewhere_contribute_nothing(device):
     got = fused_moe(x, gate_up, down, weights, ids).cpu()
     assert torch.equal(got[0], torch.zeros_like(got[0]))
     _check(got, expected, torch.float32)
+    # Rank 1 of 2 holds experts 4..7 of 8: ids 0..3 are rank 0's, ids 4..7 its own experts 0..3.
+    global_ids = torch.where(ids >= 0, ids + 4, torch.randint(0, 4, ids.shape, device=device))
+    assert torch.equal(fused_moe(x, gate_up, down, weights, global_ids, expert_offset=4).cpu(), got)
 
 
 def test_bf16_equals_reference(device, require_bf16_dot):
@@ -191,17 +208,23 @@ ALIGNS = [(1, 2, 6, 16, 0.0), (1, 8, 128, 16, 0.0), (23, 3, 6, 32, 0.3), (70, 3,
 
 
 @pytest.mark.parametrize("case", ALIGNS, ids=[f"T{c[0]}-k{c[1]}-E{c[2]}-m{c[3]}" for c in ALIGNS])
-def test_alignment_equals_torch(case, device):
-    """Exactly the torch alignment (a stable sort): sorted ids, blocks' experts, every padding row."""
+def test_alignment_equals_torch(case, device, garbage_memory):
+    """Exactly the torch alignment (a stable sort): sorted ids, blocks' experts, every padding row; and the same
+    from global ids of which this rank holds [offset, offset + E) (the others, like -1, take no row)."""
     from surge.kernels.moe_routing import align_to_blocks
 
     num_tokens, top_k, num_experts, block_m, remote = case
     ids = _routing(num_tokens, top_k, num_experts, seed=num_tokens, remote=remote)
     expected = torch_align(ids, num_experts, block_m)
+    offset = 2 * num_experts  # rank 2 of 3: the ids of ranks 0 and 1 and -1 are not here
+    other_ranks = torch.randint(0, 2 * num_experts, ids.shape, generator=torch.Generator().manual_seed(1))
+    global_ids = torch.where(ids >= 0, ids + offset, other_ranks)
     for launch in _align_launches(num_tokens * top_k, num_experts, block_m):
         for dtype in (torch.int32, torch.int64):
             got = align_to_blocks(ids.to(device=device, dtype=dtype), num_experts, block_m, launch=launch)
             assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1]), launch
+        got = align_to_blocks(global_ids.to(device), num_experts, block_m, expert_offset=offset, launch=launch)
+        assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1]), launch
 
 
 def test_fused_output_bitwise_alike_with_either_alignment(device, monkeypatch):
@@ -214,7 +237,10 @@ def test_fused_output_bitwise_alike_with_either_alignment(device, monkeypatch):
     ids = _routing(70, 3, 6, seed=11, remote=0.2).to(device)
     ours = fm.fused_moe(x, gate_up, down, weights, ids)
 
-    def shuffled(topk_ids, num_experts, block_m):
+    def unshuffled(topk_ids, num_experts, block_m, expert_offset):
+        return torch_align(topk_ids, num_experts, block_m)
+
+    def shuffled(topk_ids, num_experts, block_m, expert_offset):
         sorted_ids, block_expert = torch_align(topk_ids, num_experts, block_m)
         num_pairs, order = topk_ids.numel(), sorted_ids.clone()
         for block in range(block_expert.numel()):  # reverse each block's live pairs
@@ -223,7 +249,7 @@ def test_fused_output_bitwise_alike_with_either_alignment(device, monkeypatch):
             order[block * block_m:block * block_m + live.numel()] = live.flip(0)
         return order, block_expert
 
-    for align in (torch_align, shuffled):
+    for align in (unshuffled, shuffled):
         monkeypatch.setattr(fm, "align_to_blocks", align)
         assert torch.equal(fm.fused_moe(x, gate_up, down, weights, ids), ours), align.__name__
 
@@ -263,23 +289,38 @@ def test_launch_policy_boundaries():
     assert launch_policy(1, 8, 128, 2048, 768).block_m == 16 and launch_policy(2048, 8, 128, 2048, 768).block_m == 64
     tiny = launch_policy(1, 1, 1, 24, 8)  # tiles never exceed the (padded) dimension, nor go below 16
     assert (tiny.gate_up.block_n, tiny.gate_up.block_k, tiny.down.block_n, tiny.down.block_k) == (16, 32, 32, 16)
-    for bad in [dict(num_tokens=0), dict(top_k=9), dict(hidden=0)]:
+    assert (tiny.combine_block, launch_policy(1, 1, 1, 8, 8).combine_block) == (32, 16)
+    assert launch_policy(1, 8, 128, 1024, 768).combine_block == launch_policy(1, 8, 128, 2048, 768).combine_block == 1024
+    for bad in [{"num_tokens": 0}, {"top_k": 9}, {"hidden": 0}]:
         with pytest.raises(ValueError, match=next(iter(bad))):
-            launch_policy(**{**dict(num_tokens=4, top_k=2, num_experts=8, hidden=64, intermediate=32), **bad})
+            shapes = {"num_tokens": 4, "top_k": 2, "num_experts": 8, "hidden": 64, "intermediate": 32}
+            launch_policy(**{**shapes, **bad})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_cuda_graph_replays_any_routing():
+@pytest.mark.parametrize("num_tokens", [1, 16, 130])  # one alignment launch, then two (130 x 4 pairs of 64 experts)
+def test_cuda_graph_replays_any_routing(num_tokens):
+    """Router, alignment and experts captured once, replayed on new logits: the eager result, bit for bit."""
     from surge.kernels.fused_moe import fused_moe
+    from surge.kernels.moe_routing import align_launch
+    from surge.model.layers.moe import select_experts
 
-    x, gate_up, down, weights, ids = _case(16, 8, 2, 64, 32, torch.bfloat16, torch.device("cuda"))
-    fused_moe(x, gate_up, down, weights, ids)  # compile outside the capture
+    cuda = torch.device("cuda")
+    x, gate_up, down, _, _ = _case(num_tokens, 64, 4, 64, 32, torch.bfloat16, cuda)
+    logits = torch.randn(num_tokens, 64, device=cuda, dtype=torch.bfloat16)
+
+    def step():
+        weights, ids = select_experts(logits, 4, True, torch.bfloat16)
+        return fused_moe(x, gate_up, down, weights, ids)
+
+    assert (align_launch(num_tokens * 4, 64, 16).num_programs > 1) == (num_tokens == 130)
+    step()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, gate_up, down, weights, ids)
+        out = step()
     for seed in (1, 2):
-        nx, _, _, nw, nids = _case(16, 8, 2, 64, 32, torch.bfloat16, torch.device("cuda"), seed=seed)
-        x.copy_(nx), weights.copy_(nw), ids.copy_(nids)
+        g = torch.Generator(device=cuda).manual_seed(seed)
+        logits.copy_(torch.randn(logits.shape, generator=g, device=cuda))
+        x.copy_(torch.randn(x.shape, generator=g, device=cuda))
         graph.replay()
-        expected = fused_moe(x, gate_up, down, weights, ids)
-        torch.testing.assert_close(out, expected, atol=0, rtol=0)
+        torch.testing.assert_close(out, step(), atol=0, rtol=0)

@@ -109,12 +109,13 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) (the caller all-reduces it)."""
-        ids = self.local_expert_ids(topk_ids)
-        if x.is_cuda:
+        if x.is_cuda:  # the kernels skip another rank's experts themselves: no id arithmetic launched here
             from surge.kernels.fused_moe import fused_moe
-            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, ids)
+            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                             expert_offset=self.expert_start)
         from surge.kernels.reference import fused_moe as fused_moe_reference
-        return fused_moe_reference(x, self.gate_up_proj, self.down_proj, topk_weights, ids)
+        return fused_moe_reference(x, self.gate_up_proj, self.down_proj, topk_weights,
+                                   self.local_expert_ids(topk_ids))
 
 
 class SparseMoeBlock(nn.Module):
