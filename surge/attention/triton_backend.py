@@ -37,12 +37,15 @@ class TritonAttentionBackend(AttentionBackend):
         attention kind), compiled before serving, so no request or graph capture waits for the compiler."""
         if device.type != "cuda":
             return 0
+        from surge.kernels.attention import FEW_TOKENS
+
         kernel = self.kernel(device)
         keys = [kernel.dispatch(decode_only=decode, num_seqs=n, num_q_heads=shapes.num_q_heads,
                                 num_kv_heads=shapes.num_kv_heads, head_dim=shapes.head_dim,
-                                block_size=shapes.block_size, dtype=shapes.dtype, sliding=sliding)
+                                block_size=shapes.block_size, dtype=shapes.dtype, sliding=sliding, num_tokens=t)
                 for sliding in shapes.sliding
-                for decode, n in [(False, max_num_seqs)] + [(True, n) for n in decode_sizes]]
+                for decode, n, t in [(False, max_num_seqs, FEW_TOKENS), (False, max_num_seqs, None)]
+                + [(True, n, None) for n in decode_sizes]]
         return kernel.compile_many(keys, max_workers=max_workers)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale, prologue=None):

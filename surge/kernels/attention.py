@@ -21,6 +21,11 @@ PROGRAMS_PER_SM = 4
 MAX_SPLITS = 16
 # Tiles are halved beyond this head size and for fp32, to stay inside registers and shared memory.
 WIDE_HEAD_DIM = 128
+# Mixed steps of at most this many tokens (a verification of a few drafts per request, a short follow-up turn on a
+# long context) have too few query tiles to fill the GPU: they split the KV sequence too, as one request's decode
+# would. On the H200 a k = 4 verification at batch 1 and context 512 (Qwen3-8B, one 64-row tile per KV head, 8
+# programs) took 22 us per layer in attention against decode's 5 us with 16 splits.
+FEW_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -35,12 +40,22 @@ class AttentionLaunch:
     decode: bool  # one query token per request: tile i is request i, no search
 
 
+def _num_splits(programs: int, num_sms: int) -> int:
+    """Pieces of the KV sequence per tile: doubled until the launch has PROGRAMS_PER_SM programs per SM."""
+    splits = 1
+    while splits < MAX_SPLITS and programs * splits < PROGRAMS_PER_SM * num_sms:
+        splits *= 2
+    return splits
+
+
 def launch_policy(*, decode_only: bool, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  dtype: torch.dtype, num_sms: int) -> AttentionLaunch:
+                  dtype: torch.dtype, num_sms: int, num_tokens: int | None = None) -> AttentionLaunch:
     """Pure function of the batch's kind and capacities: never of sequence lengths.
 
     decode_only: every request has one query token (the CUDA-graph case); num_seqs is then the (padded) batch size,
-    i.e. the graph's capture size. Mixed batches always use one launch without splits."""
+    i.e. the graph's capture size. A mixed batch of at most FEW_TOKENS tokens (num_tokens: the step's, a graph's
+    capture size under graphs; None: more) splits the KV sequence as one request's decode would; larger ones use
+    one launch without splits."""
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
@@ -52,13 +67,12 @@ def launch_policy(*, decode_only: bool, num_seqs: int, num_q_heads: int, num_kv_
     if decode_only:
         # tl.dot needs M >= 16: a decode tile is one token's query heads, padded.
         block_m = max(16, group_pad)
-        programs = num_seqs * num_kv_heads
-        splits = 1
-        while splits < MAX_SPLITS and programs * splits < PROGRAMS_PER_SM * num_sms:
-            splits *= 2
-        return AttentionLaunch(block_m, 1, block_n, num_warps, num_stages, num_splits=splits, decode=True)
+        return AttentionLaunch(block_m, 1, block_n, num_warps, num_stages,
+                               num_splits=_num_splits(num_seqs * num_kv_heads, num_sms), decode=True)
     block_m = max(16 if fp32 else 32 if wide else 64, group_pad)
-    return AttentionLaunch(block_m, block_m // group_pad, block_n, num_warps, num_stages, num_splits=1, decode=False)
+    few = num_tokens is not None and num_tokens <= FEW_TOKENS
+    return AttentionLaunch(block_m, block_m // group_pad, block_n, num_warps, num_stages,
+                           num_splits=_num_splits(num_kv_heads, num_sms) if few else 1, decode=False)
 
 
 @triton.jit
@@ -216,9 +230,10 @@ class PagedAttention(CompiledKernel):
         self.device, self.num_sms = device, num_sms
 
     def dispatch(self, *, decode_only: bool, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 block_size: int, dtype: torch.dtype, sliding: bool) -> AttentionKey:
+                 block_size: int, dtype: torch.dtype, sliding: bool, num_tokens: int | None = None) -> AttentionKey:
         launch = launch_policy(decode_only=decode_only, num_seqs=num_seqs, num_q_heads=num_q_heads,
-                               num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, num_sms=self.num_sms)
+                               num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, num_sms=self.num_sms,
+                               num_tokens=num_tokens)
         return AttentionKey(dtype, num_q_heads, num_kv_heads, head_dim, block_size, sliding, launch)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -231,7 +246,7 @@ class PagedAttention(CompiledKernel):
         _, block_size, num_kv_heads, _ = k_cache.shape
         key = self.dispatch(decode_only=decode_only, num_seqs=num_seqs, num_q_heads=num_q_heads,
                             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=q.dtype,
-                            sliding=sliding_window is not None)
+                            sliding=sliding_window is not None, num_tokens=num_tokens)
         self.ensure(key)
         if out is None:
             out = torch.empty_like(q)
@@ -262,7 +277,7 @@ def _launch(key: AttentionKey, q, k_cache, v_cache, out, block_table, seq_lens, 
     if launch.block_q == 1:
         grid = (num_tokens, key.num_kv_heads, launch.num_splits)
     else:
-        grid = (num_tokens // launch.block_q + num_seqs, key.num_kv_heads, 1)
+        grid = (num_tokens // launch.block_q + num_seqs, key.num_kv_heads, launch.num_splits)
     split = launch.num_splits > 1
     if split:
         parts = num_tokens * key.num_q_heads * launch.num_splits

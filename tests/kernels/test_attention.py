@@ -123,6 +123,23 @@ def test_split_kv_decode_matches_reference(num_sms, device):
     torch.testing.assert_close(got.double().cpu(), dense, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("num_sms", [1, 8, 132])  # 2 splits (2 KV heads), the maximum, the H200
+def test_split_kv_few_token_mixed_step_matches_reference(num_sms, window, device):
+    """A verification-shaped step (a few tokens per request over long contexts, a decode row, a short prefill):
+    split like decode, merged, equal to the dense reference."""
+    from surge.kernels.attention import launch_policy
+
+    requests = [(150, 5), (37, 3), (0, 4), (90, 1)]
+    q, k, v, cache, meta, full_k, full_v = _batch(requests, 16, 8, 2, 32, torch.float32, device, seed=4)
+    splits = launch_policy(decode_only=False, num_seqs=4, num_q_heads=8, num_kv_heads=2, head_dim=32,
+                           dtype=torch.float32, num_sms=num_sms, num_tokens=meta.num_tokens).num_splits
+    assert splits == {1: 2, 8: 16, 132: 16}[num_sms]
+    got = _run_triton(q, k, v, cache, meta, window, 32 ** -0.5, num_sms=num_sms)
+    dense = _dense_reference(q, full_k, full_v, requests, window, 32 ** -0.5)
+    torch.testing.assert_close(got.double().cpu(), dense, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("num_sms", [1, 132])  # without and with split-KV
 def test_padding_rows_of_a_graph_batch_are_harmless(num_sms, device):
     """A CUDA-graph batch padded to its capture size: padding rows have seq_len 0 and slot -1. They write nothing,
@@ -159,7 +176,7 @@ def test_kv_write_skips_negative_slots(device):
 
 
 def test_launch_policy_boundaries():
-    from surge.kernels.attention import MAX_SPLITS, PROGRAMS_PER_SM, launch_policy
+    from surge.kernels.attention import FEW_TOKENS, MAX_SPLITS, PROGRAMS_PER_SM, launch_policy
 
     def policy(**kw):
         args = dict(decode_only=True, num_seqs=1, num_q_heads=32, num_kv_heads=8, head_dim=128,
@@ -179,9 +196,14 @@ def test_launch_policy_boundaries():
     # Decode tiles hold one token's group, padded to the MMA minimum of 16 rows: group 16 -> 16, group 17 -> 32.
     assert policy(num_q_heads=16 * 8).block_m == 16 and policy(num_q_heads=17 * 8).block_m == 32
     assert policy().block_q == 1
-    # Mixed batches: 64-row tiles, block_q tokens of the padded group; never split.
+    # Mixed batches: 64-row tiles, block_q tokens of the padded group; split only up to FEW_TOKENS tokens, as one
+    # request's decode (8 KV heads: 16 splits on 132 SMs).
     mixed = policy(decode_only=False, num_seqs=1)
     assert (mixed.block_m, mixed.block_q, mixed.num_splits) == (64, 16, 1)
+    assert policy(decode_only=False, num_seqs=256, num_tokens=FEW_TOKENS).num_splits == MAX_SPLITS
+    assert policy(decode_only=False, num_seqs=256, num_tokens=FEW_TOKENS + 1).num_splits == 1
+    assert policy(decode_only=False, num_seqs=256, num_tokens=5, num_sms=1).num_splits == 1
+    assert policy(decode_only=True, num_seqs=256, num_tokens=5) == policy(decode_only=True, num_seqs=256)
     assert policy(decode_only=False, num_q_heads=64 * 8).block_q == 1
     assert policy(decode_only=False, num_q_heads=65 * 8).block_m == 128
     # Capacities only: the policy has no argument for sequence lengths.
