@@ -361,34 +361,64 @@ def check_sampler_target(rows: int = 256, top_k: int = 50, top_p: float = 0.9) -
         failures.append("sampler target")
 
 
-def check_moe() -> None:
-    """Qwen3-30B-A3B's experts (128, top 8, hidden 2048, intermediate 768): the fused kernel against the torch path
-    (the CPU path, one GEMM pair per expert reached, timed eagerly); GB/s over the experts the batch reaches,
-    TFLOP/s over the pairs, the error against the float32 torch reference on the same bf16 inputs."""
+def check_moe(device: str = "cuda", batches: tuple[int, ...] = (1, 8, 64, 256, 2048)) -> None:
+    """Qwen3-30B-A3B's MoE block (128 experts, top 8, hidden 2048, intermediate 768), in its parts per batch size:
+    the router (the fused kernel against torch's softmax, topk and renormalization), the block alignment (the Triton
+    kernels against the torch ops), the experts (gate|up, down and combine on an alignment made beforehand), all of
+    fused_moe, and router plus fused_moe (a layer's MoE work but the router GEMM). fused_moe is checked against the
+    float32 torch reference (the CPU path, one GEMM pair per expert reached, also timed, eagerly); GB/s over the
+    experts the batch reaches, TFLOP/s over the pairs. The router's err counts ids unlike a stable descending sort
+    of the logits (its rule: ties to the lowest expert id), the alignment's entries unlike the torch alignment."""
     import triton.testing
 
-    from surge.kernels.fused_moe import fused_moe, launch_policy
+    from surge.kernels.fused_moe import fused_moe, grouped_experts, launch_policy
+    from surge.kernels.moe_routing import align_launch, align_to_blocks, route, router_launch
+    from surge.kernels.reference import align_to_blocks as torch_align
     from surge.kernels.reference import fused_moe as torch_moe
+    from surge.model.layers.moe import select_experts
 
     experts, top_k, hidden, inter = 128, 8, 2048, 768
-    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=DTYPE) / hidden ** 0.5
-    down = torch.randn(experts, hidden, inter, device="cuda", dtype=DTYPE) / inter ** 0.5
+    gate_up = torch.randn(experts, 2 * inter, hidden, device=device, dtype=DTYPE) / hidden ** 0.5
+    down = torch.randn(experts, hidden, inter, device=device, dtype=DTYPE) / inter ** 0.5
     gate_up32, down32 = gate_up.float(), down.float()
     per_expert = 3 * hidden * inter * DTYPE.itemsize
-    for tokens in (1, 8, 64, 256, 2048):
-        x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE)
-        weights, ids = torch.randn(tokens, experts, device="cuda").softmax(-1).topk(top_k, dim=-1)
-        weights = (weights / weights.sum(-1, keepdim=True)).to(DTYPE)
+    for tokens in batches:
+        x = torch.randn(tokens, hidden, device=device, dtype=DTYPE)
+        logits = torch.randn(tokens, experts, device=device).to(DTYPE)  # the router GEMM's output
+        launch = launch_policy(tokens, top_k, experts, hidden, inter)
+
+        weights, ids = route(logits, top_k, True, DTYPE)
+        expected_ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+        torch_route = bench(lambda: select_experts(logits, top_k, True, DTYPE, use_kernel=False))
+        report(f"moe router T={tokens} (rows/program {router_launch(tokens, experts, top_k).rows})",
+               bench(lambda: route(logits, top_k, True, DTYPE)), err=float((ids.long() != expected_ids).sum()), tol=0.0,
+               extra=f"torch path {torch_route * 1e6:.1f} us")
+
+        aligned = align_to_blocks(ids, experts, launch.block_m)
+        expected = torch_align(ids, experts, launch.block_m)
+        mismatches = sum(int((a != b).sum()) for a, b in zip(aligned, expected, strict=True))
+        torch_seconds = bench(lambda: torch_align(ids, experts, launch.block_m))
+        programs = align_launch(tokens * top_k, experts, launch.block_m).num_programs
+        report(f"moe align T={tokens} ({'1 launch' if programs == 1 else f'2 launches x {programs}'})",
+               bench(lambda: align_to_blocks(ids, experts, launch.block_m)), err=float(mismatches), tol=0.0,
+               extra=f"torch path {torch_seconds * 1e6:.1f} us")
+
         reached = ids.unique().numel()
+        nbytes = reached * per_expert + tokens * (2 * hidden + top_k * (3 * inter + hidden)) * DTYPE.itemsize
+        flops = 2 * tokens * top_k * 3 * hidden * inter
+        report(f"moe experts T={tokens} ({reached} experts, block_m {launch.block_m})",
+               bench(lambda: grouped_experts(x, gate_up, down, weights, ids, *aligned, launch)), nbytes=nbytes,
+               flops=flops, extra="gate|up, down, combine")
+
         err = max_err(fused_moe(x, gate_up, down, weights, ids), torch_moe(x.float(), gate_up32, down32,
                                                                             weights.float(), ids))
         seconds = bench(lambda: fused_moe(x, gate_up, down, weights, ids))
         torch_seconds = triton.testing.do_bench(lambda: torch_moe(x, gate_up, down, weights, ids), rep=50) * 1e-3
-        nbytes = reached * per_expert + tokens * (2 * hidden + top_k * (3 * inter + hidden)) * DTYPE.itemsize
-        launch = launch_policy(tokens, top_k, experts, hidden, inter)
-        report(f"moe T={tokens} ({reached} experts, block_m {launch.block_m})", seconds, nbytes=nbytes,
-               flops=2 * tokens * top_k * 3 * hidden * inter, err=err, tol=2e-2,
+        report(f"moe fused_moe T={tokens}", seconds, nbytes=nbytes, flops=flops, err=err, tol=2e-2,
                extra=f"torch path {torch_seconds * 1e6:.0f} us ({torch_seconds / seconds:.1f}x)")
+        report(f"moe router+fused_moe T={tokens}",
+               bench(lambda: fused_moe(x, gate_up, down, *route(logits, top_k, True, DTYPE))), nbytes=nbytes,
+               extra="a layer's MoE block but the router GEMM")
 
 
 def main() -> None:

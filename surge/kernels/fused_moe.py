@@ -161,10 +161,21 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
                          f"hidden size {hidden}")
     if num_tokens == 0:
         return torch.zeros_like(x)
-    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     launch = launch or launch_policy(num_tokens, top_k, num_experts, hidden, inter)
-    num_pairs = num_tokens * top_k
     sorted_ids, block_expert = align_to_blocks(topk_ids, num_experts, launch.block_m, expert_offset)
+    return grouped_experts(x, gate_up, down, topk_weights, topk_ids, sorted_ids, block_expert, launch, expert_offset)
+
+
+def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, launch: MoeLaunch,
+                    expert_offset: int = 0) -> torch.Tensor:
+    """fused_moe after its alignment (sorted_ids, block_expert from align_to_blocks with launch.block_m): the two
+    GEMMs and the combine. Apart so that a benchmark times them without the routing."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter, top_k = two_inter // 2, topk_ids.shape[1]
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    num_pairs = num_tokens * top_k
     num_blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
