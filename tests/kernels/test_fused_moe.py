@@ -134,6 +134,9 @@ ROUTES = [(1, 128, 8), (16, 10, 3), (17, 60, 4), (45, 6, 6)]
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_equals_torch_topk(route, renormalize, dtype, device):
+    """The experts of torch.topk on the float32 softmax, in its order, on every row where no tie reaches the k-th
+    place (bf16 logits tie often); on every row, the order of a stable descending sort (ties to the lowest id) and
+    torch's weights."""
     from surge.model.layers.moe import select_experts
 
     num_tokens, num_experts, top_k = route
@@ -142,10 +145,15 @@ def test_router_equals_torch_topk(route, renormalize, dtype, device):
     expected_weights, expected_ids = _torch_route(logits, top_k, renormalize)
     weights, ids = select_experts(logits.to(device), top_k, renormalize, dtype, use_kernel=True)
     assert weights.dtype == dtype and ids.dtype == torch.int32 and ids.shape == (num_tokens, top_k)
-    assert ids.cpu().long().tolist() == expected_ids.tolist()
+    ids = ids.cpu().long()
+    ranked = torch.sort(logits.float(), dim=-1, descending=True, stable=True).values[:, :top_k + 1]
+    untied = (ranked[:, 1:] != ranked[:, :-1]).all(dim=1)
+    assert untied.sum() >= num_tokens // 2
+    assert ids[untied].tolist() == expected_ids[untied].tolist()
+    assert ids.tolist() == torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :top_k].tolist()
     # float32: within the rounding of exp and two divisions; bf16: the same float32 value rounded (one ulp apart
     # at most, where the float32 values straddle a rounding boundary).
-    tol = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 2 ** -8, "atol": 0}
+    tol = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 0}
     torch.testing.assert_close(weights.cpu().float(), expected_weights.to(dtype).float(), **tol)
 
 
@@ -290,7 +298,8 @@ def test_launch_policy_boundaries():
     tiny = launch_policy(1, 1, 1, 24, 8)  # tiles never exceed the (padded) dimension, nor go below 16
     assert (tiny.gate_up.block_n, tiny.gate_up.block_k, tiny.down.block_n, tiny.down.block_k) == (16, 32, 32, 16)
     assert (tiny.combine_block, launch_policy(1, 1, 1, 8, 8).combine_block) == (32, 16)
-    assert launch_policy(1, 8, 128, 1024, 768).combine_block == launch_policy(1, 8, 128, 2048, 768).combine_block == 1024
+    combine = [launch_policy(1, 8, 128, hidden, 768).combine_block for hidden in (512, 513, 1024, 1025, 2048)]
+    assert combine == [512, 1024, 1024, 1024, 1024]
     for bad in [{"num_tokens": 0}, {"top_k": 9}, {"hidden": 0}]:
         with pytest.raises(ValueError, match=next(iter(bad))):
             shapes = {"num_tokens": 4, "top_k": 2, "num_experts": 8, "hidden": 64, "intermediate": 32}
