@@ -211,7 +211,8 @@ def test_launch_policy_boundaries():
         policy(num_q_heads=30)
 
 
-@pytest.mark.parametrize("padded_tokens,padded_reqs", [(64, 9), (600, 6)])  # spare rows; rows exactly full
+# Spare rows; rows exactly full; more rows than tokens (the grid then counts tokens, not rows).
+@pytest.mark.parametrize("padded_tokens,padded_reqs", [(64, 9), (600, 6), (64, 80)])
 def test_mixed_graph_padding_leaves_real_rows_alone(padded_tokens, padded_reqs, device):
     """A mixed step laid out as its CUDA graph replays it (StepInputs.pad_mixed): padding tokens belong to no request,
     padding rows have none. Real rows equal the unpadded launch's, the padding writes no KV, and no tile reads past
