@@ -202,20 +202,20 @@ def _align_one_program_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pai
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, expert_offset, num_experts, CHUNK: tl.constexpr,
+def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, expert_offset, num_experts, chunk_pairs,
                         PER_STEP: tl.constexpr, EXPERTS_PAD: tl.constexpr):
     """counts[c, e]: the pairs of expert e in chunk c."""
     chunk = tl.program_id(0)
-    start = chunk * CHUNK
-    counts = _count(ids_ptr, start, tl.minimum(start + CHUNK, num_pairs), expert_offset, num_experts, PER_STEP,
+    start = chunk * chunk_pairs
+    counts = _count(ids_ptr, start, tl.minimum(start + chunk_pairs, num_pairs), expert_offset, num_experts, PER_STEP,
                     EXPERTS_PAD)
     tl.store(counts_ptr + chunk * EXPERTS_PAD + tl.arange(0, EXPERTS_PAD), counts)
 
 
 @triton.jit
 def _align_place_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, expert_offset,
-                        num_experts, num_chunks, num_blocks, blocks_per_program, BLOCK_M: tl.constexpr,
-                        CHUNK: tl.constexpr, PER_STEP: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCKS: tl.constexpr):
+                        num_experts, num_chunks, chunk_pairs, num_blocks, blocks_per_program, BLOCK_M: tl.constexpr,
+                        PER_STEP: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCKS: tl.constexpr):
     """Chunk c's pairs after those of the chunks before it (each program sums every chunk's counts itself), and a
     share of the blocks."""
     chunk = tl.program_id(0)
@@ -227,9 +227,9 @@ def _align_place_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, block_expert_ptr, n
         totals += counts
         earlier += tl.where(c < chunk, counts, 0)
     group_start, padded_end = _groups(totals, num_experts, BLOCK_M, EXPERTS_PAD)
-    start = chunk * CHUNK
-    _place(ids_ptr, sorted_ids_ptr, start, tl.minimum(start + CHUNK, num_pairs), group_start + earlier, expert_offset,
-           num_experts, PER_STEP, EXPERTS_PAD)
+    start = chunk * chunk_pairs
+    _place(ids_ptr, sorted_ids_ptr, start, tl.minimum(start + chunk_pairs, num_pairs), group_start + earlier,
+           expert_offset, num_experts, PER_STEP, EXPERTS_PAD)
     first_block = chunk * blocks_per_program
     _mark_blocks(sorted_ids_ptr, block_expert_ptr, totals, group_start, padded_end, first_block,
                  tl.minimum(first_block + blocks_per_program, num_blocks), num_pairs, num_experts, BLOCK_M, BLOCKS,
@@ -260,11 +260,11 @@ def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int, expe
                                         num_blocks, BLOCKS=launch.blocks_per_step, **common, num_warps=4)
         return sorted_ids, block_expert
     counts = torch.empty(launch.num_programs, launch.experts_pad, dtype=torch.int32, device=device)
-    _align_count_kernel[(launch.num_programs,)](ids, counts, num_pairs, expert_offset, num_experts,
-                                                CHUNK=launch.chunk, PER_STEP=launch.pairs_per_step,
-                                                EXPERTS_PAD=launch.experts_pad, num_warps=4)
+    _align_count_kernel[(launch.num_programs,)](ids, counts, num_pairs, expert_offset, num_experts, launch.chunk,
+                                                PER_STEP=launch.pairs_per_step, EXPERTS_PAD=launch.experts_pad,
+                                                num_warps=4)
     _align_place_kernel[(launch.num_programs,)](
-        ids, counts, sorted_ids, block_expert, num_pairs, expert_offset, num_experts, launch.num_programs, num_blocks,
-        triton.cdiv(num_blocks, launch.num_programs), CHUNK=launch.chunk, BLOCKS=launch.blocks_per_step, **common,
-        num_warps=4)
+        ids, counts, sorted_ids, block_expert, num_pairs, expert_offset, num_experts, launch.num_programs,
+        launch.chunk, num_blocks, triton.cdiv(num_blocks, launch.num_programs), BLOCKS=launch.blocks_per_step,
+        **common, num_warps=4)
     return sorted_ids, block_expert
