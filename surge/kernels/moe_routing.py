@@ -82,7 +82,8 @@ def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, st
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in dtype, expert ids [T, k] int32, in descending order of weight): select_experts in one
-    launch. The experts chosen are those of torch.topk on the float32 softmax, ties to the lowest id."""
+    launch. The experts are torch.topk's on the float32 softmax, ranked on the logits (the softmax keeps their order;
+    where exp rounds two different logits to one probability, the larger logit wins), equal logits to the lowest id."""
     num_tokens, num_experts = router_logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=dtype, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
