@@ -335,13 +335,14 @@ class ModelRunner:
         if not requests:
             return
         logits = self.model.compute_logits(hidden[device_tensor(idx, self.device, torch.long)])
-        out = verify(logits, requests) if logits is not None else None
+        out = verify(logits, requests, device_verdicts=self.draft is not None) if logits is not None else None
         self._verified = ([state.request_id for state, _ in requests], [len(d) for _, d in requests], out)
         if out is None:
             return
         pending.verify = VerifiedDrafts(
-            [state.request_id for state, _ in requests], [len(d) for _, d in requests],
-            [state.params.logprobs for state, _ in requests], _to_host(out.token_ids), _to_host(out.num_accepted),
+            [state.request_id for state, _ in requests], [list(d) for _, d in requests],
+            [state.params.logprobs for state, _ in requests], _to_host(out.token_ids),
+            None if out.num_accepted is None else _to_host(out.num_accepted),
             None if out.logprobs is None else tuple(_to_host(t) for t in out.logprobs))
 
     def _sampling_row(self, s: ScheduledRequest, req: CachedRequestState) -> SamplingRow:

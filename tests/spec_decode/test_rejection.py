@@ -140,3 +140,31 @@ def test_greedy_rows_take_the_argmax_after_penalties():
     # position 0: 4 (unseen). position 1: 4 seen (2.0 / 2 = 1.0 < 1.5): 5, the draft. position 2: both seen: 4
     # (1.0) vs 5 (0.75), so 4.
     assert out.token_ids.tolist() == [4, 5, 4] and out.num_accepted.tolist() == [2]
+
+
+def test_greedy_verdicts_counted_on_the_host_equal_the_device_ones():
+    """Without a draft model the greedy verdicts are counted on the host from the argmax (no device ops): the same
+    tokens and accepted counts as the device path, on random logits and drafts that match some leading positions."""
+    from surge.worker.spec_verify import VerifiedDrafts
+
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0)
+    for trial in range(20):
+        ks = torch.randint(0, 5, (4,), generator=g).tolist()
+        logits = torch.randn(sum(k + 1 for k in ks), 16, generator=g)
+        best, requests, o = logits.argmax(-1).tolist(), [], 0
+        for k in ks:  # a random-length prefix of each request's drafts agrees with the argmax
+            run = int(torch.randint(0, k + 1, (1,), generator=g))
+            drafts = best[o:o + run] + [(t + 1) % 16 for t in best[o + run:o + k]]
+            requests.append((_State(params, prompt_token_ids=[1]), drafts))
+            o += k + 1
+        device, host = verify(logits, requests), verify(logits, requests, device_verdicts=False)
+        assert host.num_accepted is None and torch.equal(host.token_ids, device.token_ids)
+        results = []
+        for out in (device, host):
+            result = type("Result", (), {"sampled": {}, "logprobs": {}})()
+            VerifiedDrafts([str(i) for i in range(len(ks))], [d for _, d in requests], [None] * len(ks),
+                           out.token_ids, out.num_accepted, None).into(result)
+            results.append(result.sampled)
+        assert results[0] == results[1], trial
+        assert [len(t) - 1 for t in results[1].values()] == device.num_accepted.tolist()
