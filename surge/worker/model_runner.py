@@ -334,7 +334,11 @@ class ModelRunner:
         self._verified = None
         if not requests:
             return
-        logits = self.model.compute_logits(hidden[device_tensor(idx, self.device, torch.long)])
+        # The rows are usually one range (every request of the step verifies: all its tokens), a view: no index
+        # upload and no gather launch.
+        rows = (hidden[idx[0]:idx[-1] + 1] if idx[-1] - idx[0] + 1 == len(idx)
+                else hidden[device_tensor(idx, self.device, torch.long)])
+        logits = self.model.compute_logits(rows)
         out = verify(logits, requests, device_verdicts=self.draft is not None) if logits is not None else None
         self._verified = ([state.request_id for state, _ in requests], [len(d) for _, d in requests], out)
         if out is None:
