@@ -161,9 +161,10 @@ HOST_PHASES = ("device wait", "schedule", "outputs", "propose", "advance", "fill
 
 class HostTimer:
     """Where the engine loop's thread spends a step: waiting for the device (a step's result), scheduling, processing
-    outputs, looking up speculative drafts, and the grammar's work on this thread (advancing the matchers; filling masks, or waiting for the fill
-    when it runs behind the outputs; uploading them; applying them: on a GPU, launching the kernels); the rest is
-    preparing and launching the step. Phases the engine does not have (an older one) stay at zero."""
+    outputs, looking up speculative drafts, and the grammar's work on this thread (advancing the matchers;
+    filling masks, or waiting for the fill when it runs behind the outputs; uploading them; applying them: on a
+    GPU, launching the kernels); the rest is preparing and launching the step. Phases the engine does not have
+    (an older one) stay at zero."""
 
     def __init__(self, engine: EngineCore) -> None:
         from surge.worker import executor, model_runner

@@ -1,24 +1,25 @@
 """CUDA graphs: one per decode batch size up to max_num_seqs, and one per token count for small mixed steps (prefill
 chunks, with or without decodes), all sharing one memory pool.
 
-A decode step with n requests replays the smallest graph of size >= n, its extra rows padded into the null block.
-A mixed step of t tokens replays the smallest mixed graph of >= t tokens, shaped for max_num_seqs requests: its
-padding tokens belong to no request and its padding requests have no tokens (StepInputs.pad_mixed). Such steps
-are short on the device (a follow-up turn on a long cached prefix, a short prompt) and were bound by the host
-launching ~10 kernels per layer one by one; as a graph they launch once. The attention kernel reads every length from device memory and sizes its grid by token and request capacity, so
-one capture serves every layout. Graphs capture views of StepInputs' persistent buffers, so a replay only needs
-those buffers filled.
+A decode step with n requests replays the smallest graph of size >= n, its extra rows padded into the null block. A
+mixed step of t tokens replays the smallest mixed graph of >= t tokens, shaped for max_num_seqs requests: its
+padding tokens belong to no request and its padding requests have no tokens (StepInputs.pad_mixed). Such steps are
+short on the device (a follow-up turn on a long cached prefix, a short prompt) and were bound by the host launching
+~10 kernels per layer one by one; as a graph they launch once. The attention kernel reads every length from device
+memory and sizes its grid by token and request capacity, so one capture serves every layout. Graphs capture views of
+StepInputs' persistent buffers, so a replay only needs those buffers filled.
 
 With `cuda_graph_capture="background"` start-up captures none (`capture_in_background`): once the engine's first
-step is launched (a restart's first request: it runs eagerly), or after a second with none, a thread runs the
-kernel warm-up and captures the graphs one by one while the engine serves. Each graph serves from the moment it is
-published; until then a step runs eagerly, or replays a larger graph. The thread never runs the model: a capture records launches without executing them, so it reads no buffer the engine
-is filling and writes no KV; it captures in CUDA's thread-local mode, so the engine's own calls (allocations,
-synchronizations) on other streams stay legal meanwhile. Under tensor parallelism every graph is captured at
-start-up: a capture records collectives, whose order must match across ranks. What the thread cannot survive is a
-device-wide synchronize in its process (CUDA refuses it during any capture, and the capture is lost): the engine
-never makes one, which is why background capture is the default only where the process runs nothing but the
-engine (`surge serve`). A failed capture leaves the remaining steps eager, and is logged.
+step is launched (a restart's first request: it runs eagerly), or after a second with none, a thread runs the kernel
+warm-up and captures the graphs one by one while the engine serves. Each graph serves from the moment it is
+published; until then a step runs eagerly, or replays a larger graph. The thread never runs the model: a capture
+records launches without executing them, so it reads no buffer the engine is filling and writes no KV; it captures
+in CUDA's thread-local mode, so the engine's own calls (allocations, synchronizations) on other streams stay legal
+meanwhile. Under tensor parallelism every graph is captured at start-up: a capture records collectives, whose order
+must match across ranks. What the thread cannot survive is a device-wide synchronize in its process (CUDA refuses it
+during any capture, and the capture is lost): the engine never makes one, which is why background capture is the
+default only where the process runs nothing but the engine (`surge serve`). A failed capture leaves the remaining
+steps eager, and is logged.
 """
 from __future__ import annotations
 
