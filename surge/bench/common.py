@@ -156,15 +156,17 @@ def hf_model_for(engine: EngineCore):
 
 
 # Where the engine loop's thread spends a step (HostTimer); "rest" is what none of the others covers.
-HOST_PHASES = ("device wait", "schedule", "outputs", "propose", "advance", "fill", "upload", "apply", "rest")
+HOST_PHASES = ("device wait", "schedule", "outputs", "propose", "prepare", "launch", "verify", "advance", "fill",
+               "upload", "apply", "rest")
 
 
 class HostTimer:
     """Where the engine loop's thread spends a step: waiting for the device (a step's result), scheduling, processing
-    outputs, looking up speculative drafts, and the grammar's work on this thread (advancing the matchers;
-    filling masks, or waiting for the fill when it runs behind the outputs; uploading them; applying them: on a
-    GPU, launching the kernels); the rest is preparing and launching the step. Phases the engine does not have
-    (an older one) stay at zero."""
+    outputs, looking up speculative drafts; the in-process runner preparing the step's inputs, launching its
+    forward (a graph replay or eager launches) and its drafts' verification; and the grammar's work on this thread
+    (advancing the matchers; filling masks, or waiting for the fill when it runs behind the outputs; uploading
+    them; applying them: on a GPU, launching the kernels). The rest is everything else (sampling's launches, the
+    executor). Phases the engine does not have (an older one) stay at zero."""
 
     def __init__(self, engine: EngineCore) -> None:
         from surge.worker import executor, model_runner
@@ -183,6 +185,10 @@ class HostTimer:
         self._wrap(model_runner, "_apply_grammar", "upload")  # less the apply inside it, in per_step
         self._wrap(model_runner, "apply_token_bitmask_", "apply")
         self._wrap(model_runner.PendingOutput, "result", "device wait")
+        # The in-process runner's own parts of a step (zero for worker ranks in other processes).
+        self._wrap(model_runner.ModelRunner, "prepare_inputs", "prepare")
+        self._wrap(model_runner.ModelRunner, "forward", "launch")  # a graph replay, or the eager launches
+        self._wrap(model_runner.ModelRunner, "_verify_drafts", "verify")
         if hasattr(executor, "_RemoteStep"):
             self._wrap(executor._RemoteStep, "result", "device wait")
         waits_for = manager.waits_for

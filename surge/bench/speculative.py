@@ -193,7 +193,7 @@ def _verify_cost(args: argparse.Namespace, plain: EngineCore, spec: EngineCore) 
     if spec.proposer is None:
         raise ValueError("--verify-cost forces drafts through the n-gram proposer's place: use method 'ngram'")
     spec.proposer = _AlwaysPropose(k)
-    phases = ("step", "device wait", "schedule", "outputs", "propose", "rest")
+    phases = ("step", "device wait", "schedule", "outputs", "propose", "prepare", "launch", "verify", "rest")
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         workload = make_workload(bs, args.input_len, args.output_len, 0.0, plain.config.model_config.vocab_size, bs)
         decode, decode_host = _per_step(plain, workload, args.repeats)
