@@ -414,9 +414,9 @@ class EngineConfig:
     warmup_workers: int = 1  # kernel warm-up compile threads; 1 is serial (the default), kernels opt in to more
     # "startup": every graph before serving. "background": a thread warms the kernels up and captures every graph
     # from the first step on, while the engine serves (one GPU only; under tensor parallelism every graph is
-    # captured at start-up). A
-    # device-wide synchronize in the engine's process during a capture would break it, so background is for a
-    # process that runs only the engine (`surge serve`'s engine core), not for one shared with a user's script.
+    # captured at start-up). A device-wide synchronize in the engine's process during a capture would break it, so
+    # background is for a process that runs only the engine (`surge serve`'s engine core), not for one shared with a
+    # user's script.
     cuda_graph_capture: str = "startup"
     weight_cache_config: WeightCacheConfig = field(default_factory=WeightCacheConfig)
     kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector

@@ -5,7 +5,6 @@ acceptance is p(x) and the residual is p without x. Draws come in as tensors, so
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 
@@ -35,21 +34,3 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, target_probs, residual)
     return accepted, torch.where(accepted, x.squeeze(1), race(residual, noise))
-
-
-def num_accepted(accepted: torch.Tensor, num_drafts: list[int]) -> torch.Tensor:
-    """Leading accepted drafts per request: accepted [sum k_i] bool in request order, num_drafts the k_i (on the
-    host, so the grid's shape and indices need no read of the device: a verification step never waits for it)."""
-    n, k_max = len(num_drafts), max(num_drafts, default=0)
-    flat = np.concatenate([i * k_max + np.arange(k, dtype=np.int64) for i, k in enumerate(num_drafts)] or
-                          [np.zeros(0, dtype=np.int64)])
-    grid = torch.ones(n * k_max, dtype=torch.int64, device=accepted.device)  # padding counts as accepted...
-    grid[_to_device(flat, accepted.device)] = accepted.long()
-    leading = grid.view(n, k_max).cumprod(dim=1).sum(dim=1)
-    return torch.minimum(leading, _to_device(np.asarray(num_drafts, dtype=np.int64), accepted.device))  # ...cut here
-
-
-def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host indices to the device through pinned memory, without waiting for the device's queued work."""
-    t = torch.from_numpy(values)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from surge.model.layers.sampler import (SamplingRow, compute_token_logprobs, device_tensor, exponential_noise,
                                         processed_logits, sampling_probs)
-from surge.spec_decode.rejection import num_accepted, race, rejection_sample
+from surge.spec_decode.rejection import race, rejection_sample
 from surge.worker.request_state import CachedRequestState
 
 
@@ -95,6 +96,18 @@ def _finish(logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tens
     if max_n is not None:  # from the raw logits, as the sampler's
         result.logprobs = compute_token_logprobs(logits, token_ids, max_n)
     return result
+
+
+def num_accepted(accepted: torch.Tensor, num_drafts: list[int]) -> torch.Tensor:
+    """Leading accepted drafts per request: accepted [sum k_i] bool in request order, num_drafts the k_i (on the
+    host, so the grid's shape and indices need no read of the device: a verification step never waits for it)."""
+    n, k_max = len(num_drafts), max(num_drafts, default=0)
+    flat = np.concatenate([i * k_max + np.arange(k, dtype=np.int64) for i, k in enumerate(num_drafts)] or
+                          [np.zeros(0, dtype=np.int64)])
+    grid = torch.ones(n * k_max, dtype=torch.int64, device=accepted.device)  # padding counts as accepted...
+    grid[device_tensor(flat, accepted.device)] = accepted.long()
+    leading = grid.view(n, k_max).cumprod(dim=1).sum(dim=1)
+    return torch.minimum(leading, device_tensor(np.asarray(num_drafts, dtype=np.int64), accepted.device))  # ...cut
 
 
 def _uniforms(requests: list[tuple[CachedRequestState, list[int]]], device: torch.device) -> torch.Tensor:

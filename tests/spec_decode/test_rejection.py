@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from surge.sampling_params import SamplingParams
-from surge.spec_decode.rejection import num_accepted, rejection_sample
-from surge.worker.spec_verify import verify
+from surge.spec_decode.rejection import rejection_sample
+from surge.worker.spec_verify import num_accepted, verify
 
 N = 200_000
 # chi-square with 7 degrees of freedom (V = 8): P(X > 24.32) = 0.001, so a correct sampler fails this with
