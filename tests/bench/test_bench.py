@@ -36,6 +36,62 @@ def test_throughput_refuses_bad_batch_sizes(capsys):
             parse_batch_sizes(bad)
 
 
+class _FakeCB:
+    """HF's continuous batching manager as the bench uses it: requests stream one token per result, 1 s apart on a
+    fake clock; request "1" wants more tokens than the others get time for."""
+
+    def __init__(self, clock):
+        self.clock, self.queue, self.stopped = clock, [], False
+
+    def continuous_batching_context_manager(self, generation_config, block, timeout):
+        import contextlib
+
+        @contextlib.contextmanager
+        def manager():
+            yield self
+            self.stopped = True
+        return manager()
+
+    def add_request(self, prompt, request_id, max_new_tokens, streaming):
+        assert streaming
+        self.queue.append([request_id, max_new_tokens, []])
+
+    def get_result(self, timeout):
+        import types
+
+        self.clock[0] += 1.0
+        live = [q for q in self.queue if len(q[2]) < q[1]]
+        rid, want, toks = live[0]
+        toks.append(7)
+        if len(toks) == want:
+            self.queue.remove(live[0])
+        return types.SimpleNamespace(request_id=rid, generated_tokens=list(toks),
+                                     is_finished=lambda: len(toks) == want)
+
+
+def test_hf_time_limit_counts_streamed_tokens_of_unfinished_requests(monkeypatch):
+    from surge.bench import throughput
+
+    clock = [0.0]
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: clock[0])
+    fake = _FakeCB(clock)
+    run = throughput._run_hf_continuous(fake, [([1, 2], 2), ([3], 50), ([4], 1)], time_limit=6.5)
+    # Results at fake seconds 0..6: request 0's two tokens, then request 1 streams five of its 50.
+    assert run.cut_off and fake.stopped
+    assert run.tokens == [[7, 7], None, None]
+    assert run.out_tokens == 7 and run.seconds == pytest.approx(7.0)
+    whole = throughput._run_hf_continuous(_FakeCB(clock), [([1], 3), ([2], 1)], time_limit=100)
+    assert not whole.cut_off and whole.tokens == [[7, 7, 7], [7]] and whole.out_tokens == 4
+
+
+def test_hf_time_limit_refuses_nonsense(capsys):
+    assert main(["bench", "throughput", "--preset", "tiny-llama", "--num-prompts", "2", "--hf-time-limit", "0"]) != 0
+    assert "--hf-time-limit=0 must be > 0 seconds" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--preset", "tiny-llama", "--num-prompts", "2", "--input-len", "8",
+                 "--output-len", "2", "--compare-hf", "--hf-time-limit", "5"]) != 0
+    assert "--hf-time-limit applies to HF generate_batch on CUDA" in capsys.readouterr().err
+
+
 def test_latency_reports_hardware_rates(capsys):
     assert main(["bench", "latency", "--preset", "tiny-llama", "--batch-sizes", "1,3", "--input-len", "16",
                  "--output-len", "6", "--repeats", "1", "--compare-hf"]) == 0
