@@ -38,6 +38,7 @@ class AttentionLaunch:
     num_stages: int
     num_splits: int  # > 1: split-KV; partial results merged by a second launch
     decode: bool  # one query token per request: tile i is request i, no search
+    search: int = 0  # > 0: a tile finds its request in one load of this many query starts (few tokens), else bisects
 
 
 def _num_splits(programs: int, num_sms: int) -> int:
@@ -70,9 +71,15 @@ def launch_policy(*, decode_only: bool, num_seqs: int, num_q_heads: int, num_kv_
         return AttentionLaunch(block_m, 1, block_n, num_warps, num_stages,
                                num_splits=_num_splits(num_seqs * num_kv_heads, num_sms), decode=True)
     block_m = max(16 if fp32 else 32 if wide else 64, group_pad)
-    few = num_tokens is not None and num_tokens <= FEW_TOKENS
-    return AttentionLaunch(block_m, block_m // group_pad, block_n, num_warps, num_stages,
-                           num_splits=_num_splits(num_kv_heads, num_sms) if few else 1, decode=False)
+    block_q = block_m // group_pad
+    if num_tokens is None or num_tokens > FEW_TOKENS:
+        return AttentionLaunch(block_m, block_q, block_n, num_warps, num_stages, num_splits=1, decode=False)
+    # A tile's request is among the first (tiles in the grid) rows, and its end one row further: one vector load of
+    # that many query starts replaces the bisection's chain of dependent loads (8 for a 256-row graph), which on
+    # tiles this short is most of a program's time. One width for every few-token step: one compiled variant.
+    search = triton.next_power_of_2(FEW_TOKENS // block_q + FEW_TOKENS + 1)
+    return AttentionLaunch(block_m, block_q, block_n, num_warps, num_stages,
+                           num_splits=_num_splits(num_kv_heads, num_sms), decode=False, search=search)
 
 
 @triton.jit
@@ -103,7 +110,7 @@ def _paged_attention_kernel(
         stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        SLIDING: tl.constexpr, DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        SLIDING: tl.constexpr, DECODE: tl.constexpr, SEARCH: tl.constexpr, DOT_PRECISION: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -113,9 +120,20 @@ def _paged_attention_kernel(
         q_len = 1
         tile_start = 0
     else:
-        req = _find_request(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
-        q_start = tl.load(query_start_loc_ptr + req)
-        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        if SEARCH > 0:  # request i's first tile as _find_request counts it; the tile's request is the last at or before it
+            row = tl.arange(0, SEARCH)
+            starts = tl.load(query_start_loc_ptr + row, mask=row <= num_seqs, other=0)
+            if BLOCK_Q > 1:
+                firsts = starts // BLOCK_Q + row
+            else:
+                firsts = starts
+            req = tl.sum(((firsts <= q_block) & (row < num_seqs)).to(tl.int32), 0) - 1
+            q_start = tl.sum(tl.where(row == req, starts, 0), 0)
+            q_len = tl.sum(tl.where(row == req + 1, starts, 0), 0) - q_start
+        else:
+            req = _find_request(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+            q_start = tl.load(query_start_loc_ptr + req)
+            q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
         if BLOCK_Q > 1:
             first_block = q_start // BLOCK_Q + req
         else:
@@ -192,11 +210,17 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=["num_seqs"])
+def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, query_start_loc_ptr, num_seqs,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         SKIP_PADDING: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    # A mixed graph's padding tokens (past the last request's end) have no partials: skip reading 16 splits of
+    # garbage for each (a 16-token graph at batch 1 is 11 such tokens of 12); their output rows nobody reads.
+    if SKIP_PADDING:
+        if token >= tl.load(query_start_loc_ptr + num_seqs):
+            return
     part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     m = tl.load(part_ml_ptr + part * 2)
     l = tl.load(part_ml_ptr + part * 2 + 1)
@@ -295,12 +319,12 @@ def _launch(key: AttentionKey, q, k_cache, v_cache, out, block_table, seq_lens, 
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0))
     constexprs = dict(GROUP=group, HEAD_DIM=key.head_dim, HEAD_DIM_PAD=head_dim_pad, CACHE_BLOCK=key.block_size,
                       BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n,
-                      NUM_SPLITS=launch.num_splits, SLIDING=key.sliding, DECODE=launch.decode,
+                      NUM_SPLITS=launch.num_splits, SLIDING=key.sliding, DECODE=launch.decode, SEARCH=launch.search,
                       DOT_PRECISION="ieee" if key.dtype == torch.float32 else "tf32",
                       num_warps=launch.num_warps, num_stages=launch.num_stages)
-    merge_args = (part_acc, part_ml, out, out.stride(0), out.stride(1))
+    merge_args = (part_acc, part_ml, out, out.stride(0), out.stride(1), query_start_loc, num_seqs)
     merge_constexprs = dict(HEAD_DIM=key.head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=launch.num_splits,
-                            num_warps=4)
+                            SKIP_PADDING=not launch.decode, num_warps=4)
     if warmup:
         compiled = [_paged_attention_kernel.warmup(*args, grid=grid, **constexprs)]
         if split:

@@ -203,6 +203,12 @@ def test_launch_policy_boundaries():
     assert policy(decode_only=False, num_seqs=256, num_tokens=FEW_TOKENS).num_splits == MAX_SPLITS
     assert policy(decode_only=False, num_seqs=256, num_tokens=FEW_TOKENS + 1).num_splits == 1
     assert policy(decode_only=False, num_seqs=256, num_tokens=5, num_sms=1).num_splits == 1
+    # Few-token launches find a tile's request in one load covering every row that can own a tile, plus one (its
+    # end): 64 // 16 + 64 tiles at most; one width for all of them (one variant); larger launches bisect.
+    few = [policy(decode_only=False, num_seqs=s, num_tokens=t) for s, t in ((256, 5), (1, 16), (256, FEW_TOKENS))]
+    assert {p.search for p in few} == {128} and 128 >= FEW_TOKENS // 16 + FEW_TOKENS + 1
+    assert policy(decode_only=False, num_seqs=256, num_tokens=FEW_TOKENS + 1).search == 0
+    assert policy(decode_only=False, num_q_heads=64 * 8, num_tokens=FEW_TOKENS).search == 256  # block_q 1
     assert policy(decode_only=True, num_seqs=256, num_tokens=5) == policy(decode_only=True, num_seqs=256)
     assert policy(decode_only=False, num_q_heads=64 * 8).block_q == 1
     assert policy(decode_only=False, num_q_heads=65 * 8).block_m == 128
@@ -211,9 +217,11 @@ def test_launch_policy_boundaries():
         policy(num_q_heads=30)
 
 
-# Spare rows; rows exactly full; more rows than tokens (the grid then counts tokens, not rows).
-@pytest.mark.parametrize("padded_tokens,padded_reqs", [(64, 9), (600, 6), (64, 80)])
-def test_mixed_graph_padding_leaves_real_rows_alone(padded_tokens, padded_reqs, device):
+# Spare rows; rows exactly full; more rows than tokens (the grid then counts tokens, not rows); more rows than a
+# few-token launch's one-load request search covers (it need not: rows past the grid own no tile).
+@pytest.mark.parametrize("padded_tokens,padded_reqs", [(64, 9), (600, 6), (64, 80), (64, 300)])
+@pytest.mark.parametrize("num_sms", [None, 132])  # with 132, split-KV: the merge skips the padding tokens
+def test_mixed_graph_padding_leaves_real_rows_alone(padded_tokens, padded_reqs, num_sms, device):
     """A mixed step laid out as its CUDA graph replays it (StepInputs.pad_mixed): padding tokens belong to no request,
     padding rows have none. Real rows equal the unpadded launch's, the padding writes no KV, and no tile reads past
     a block table (600 padding tokens would need 38 blocks of a 4-block table if a request owned them)."""
@@ -236,7 +244,7 @@ def test_mixed_graph_padding_leaves_real_rows_alone(padded_tokens, padded_reqs, 
     gen = torch.Generator().manual_seed(1)
     qp, kp, vp = (torch.cat([t, torch.randn(extra, *t.shape[1:], generator=gen).to(device)]) for t in (q, k, v))
     before = cache.clone()
-    got = _run_triton(qp, kp, vp, cache, padded, None, 32 ** -0.5)
+    got = _run_triton(qp, kp, vp, cache, padded, None, 32 ** -0.5, num_sms=num_sms)
     written = cache.isnan() != before.isnan()
     assert int(written.sum()) == n * 2 * 2 * 32  # the real tokens' k and v only
     dense = _dense_reference(q, full_k, full_v, requests, None, 32 ** -0.5)
