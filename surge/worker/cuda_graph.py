@@ -224,6 +224,11 @@ class CUDAGraphRunner:
         graphs = self.mixed_graphs
         return next((t for t in self.mixed_sizes if t >= num_tokens and t in graphs), None)
 
+    def mixed_padding(self, num_tokens: int, num_reqs: int) -> tuple[int, int] | None:
+        """The (tokens, request rows) a mixed step of this size is padded to for its graph, if one covers it."""
+        t = self.mixed_size(num_tokens, num_reqs)
+        return None if t is None else (t, self.mixed_reqs)
+
     def replay_mixed(self, num_tokens: int, num_reqs: int) -> torch.Tensor:
         """Inputs of a mixed step are already in the buffers; returns the hidden states of its num_tokens tokens."""
         t = self.mixed_size(num_tokens, num_reqs)

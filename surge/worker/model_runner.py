@@ -246,8 +246,10 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest], states: list[CachedRequestState]) -> StepBatch:
         """Token ids, positions, slot mappings and block tables into the persistent buffers; metadata per group."""
-        num_tokens, num_reqs, query_start_loc, seq_lens = self.inputs.fill(scheduled, states, self._last_sampled,
-                                                                           self._last_rows)
+        graphs = self.graph_runner
+        num_tokens, num_reqs, query_start_loc, seq_lens = self.inputs.fill(
+            scheduled, states, self._last_sampled, self._last_rows,
+            mixed_padding=graphs.mixed_padding if graphs is not None else None)
         max_query_len = max(s.num_new_tokens for s in scheduled)
         meta = self.inputs.metadata(self.backend, num_tokens, num_reqs, query_start_loc, seq_lens, max_query_len,
                                     max(seq_lens))

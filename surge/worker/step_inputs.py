@@ -3,6 +3,8 @@ tables, sized by capacity. Each step fills a prefix; CUDA graphs capture views o
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -28,16 +30,22 @@ class StepInputs:
         self._turn = 0
         self._staging_dev: torch.Tensor | None = None
         self._arange = torch.arange(max_reqs + 1, dtype=torch.int32, device=device)
+        # The mixed-graph padding the buffers hold now, as pad_mixed's arguments: a replay that wants the same need
+        # not write it again (fill lays it out with the step's own copies). Anything else that writes them clears it.
+        self._padding: tuple[int, int, int, int] | None = None
 
     def fill(self, scheduled: list[ScheduledRequest], states: list[CachedRequestState],
-             last_sampled: torch.Tensor | None = None,
-             last_rows: dict[str, int] | None = None) -> tuple[int, int, list[int], list[int]]:
+             last_sampled: torch.Tensor | None = None, last_rows: dict[str, int] | None = None,
+             mixed_padding: Callable[[int, int], tuple[int, int] | None] | None = None
+             ) -> tuple[int, int, list[int], list[int]]:
         """Copy a step's inputs into the buffers; returns (num_tokens, num_reqs, query_start_loc, seq_lens).
 
         Everything is packed into one int64 host array and crosses to the device in a single copy, then is
         scattered into the typed buffers by device-side copies: per-step host work stays small at batch 1.
         A token still pending (sampled by the step before, not on the host yet) is taken on the device from
-        last_sampled[last_rows[request id]]; draft tokens follow the known ones."""
+        last_sampled[last_rows[request id]]; draft tokens follow the known ones. A mixed step that
+        mixed_padding(num_tokens, num_reqs) gives a graph's (padded_tokens, padded_reqs) comes with pad_mixed's
+        layout in the same copies: at batch 1 its five fills were a tenth of a verification step's host time."""
         block_size = self.block_size
         num_reqs = len(scheduled)
         num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
@@ -69,7 +77,14 @@ class StepInputs:
         else:
             req_of_token = np.repeat(np.arange(num_reqs), num_new)
             positions = np.arange(num_tokens) - query_start_loc[req_of_token] + starts[req_of_token]
-        parts = [token_ids, positions, seq_lens, query_start_loc]
+        pad = mixed_padding(num_tokens, num_reqs) if mixed_padding is not None and num_tokens > num_reqs else None
+        tokens_out, reqs_out = pad or (num_tokens, num_reqs)  # lengths written, the padding included
+
+        def padded(a: np.ndarray, n: int, value: int) -> np.ndarray:
+            return np.concatenate([a, np.full(n - a.size, value, dtype=np.int64)]) if pad and n > a.size else a
+
+        parts = [padded(token_ids, tokens_out, 0), padded(positions, tokens_out, 0), padded(seq_lens, reqs_out, 0),
+                 padded(query_start_loc, reqs_out + 1, num_tokens)]
         widths = []
         for g in range(len(self.slot_mapping)):
             rows = [state.block_ids[g] for state in states]
@@ -78,7 +93,7 @@ class StepInputs:
             for i, r in enumerate(rows):
                 table[i, :len(r)] = r
             slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
-            parts += [slots, table.reshape(-1)]
+            parts += [padded(slots, tokens_out, -1), table.reshape(-1)]
             widths.append(width)
         parts += [np.asarray(pending_dst, dtype=np.int64), np.asarray(pending_src, dtype=np.int64)]
         packed = np.concatenate(parts)
@@ -102,21 +117,23 @@ class StepInputs:
             o += n
             return dev[o - n:o]
 
-        self.input_ids[:num_tokens].copy_(take(num_tokens))
-        self.positions[:num_tokens].copy_(take(num_tokens))
-        self.seq_lens[:num_reqs].copy_(take(num_reqs))
-        self.query_start_loc[:num_reqs + 1].copy_(take(num_reqs + 1))
+        self.input_ids[:tokens_out].copy_(take(tokens_out))
+        self.positions[:tokens_out].copy_(take(tokens_out))
+        self.seq_lens[:reqs_out].copy_(take(reqs_out))
+        self.query_start_loc[:reqs_out + 1].copy_(take(reqs_out + 1))
         for g, width in enumerate(widths):
-            self.slot_mapping[g][:num_tokens].copy_(take(num_tokens))
+            self.slot_mapping[g][:tokens_out].copy_(take(tokens_out))
             self.block_tables[g][:num_reqs, :width].copy_(take(num_reqs * width).view(num_reqs, width))
         if pending_dst:
             dst, src = take(len(pending_dst)), take(len(pending_src))
             self.input_ids.index_copy_(0, dst, last_sampled.index_select(0, src))
+        self._padding = (num_tokens, num_reqs, *pad) if pad else None
         return num_tokens, num_reqs, query_start_loc.tolist(), seq_lens.tolist()
 
     def pad_decode(self, num_reqs: int, padded: int) -> None:
         """Rows num_reqs..padded of a captured decode graph: one token each, in the null block, context 1.
         They compute garbage that nobody reads, and write only to the null block."""
+        self._padding = None
         if padded == num_reqs:
             return
         self.input_ids[num_reqs:padded].zero_()
@@ -130,13 +147,17 @@ class StepInputs:
     def pad_mixed(self, num_tokens: int, num_reqs: int, padded_tokens: int, padded_reqs: int) -> None:
         """Tokens num_tokens..padded_tokens and request rows num_reqs..padded_reqs of a captured mixed graph: the
         rows have no tokens (their attention tiles return at once) and the tokens belong to no request, write no KV
-        (slot -1) and leave attention rows nobody reads. They never read a block table, however many they are."""
+        (slot -1) and leave attention rows nobody reads. They never read a block table, however many they are.
+        Nothing to do when the buffers hold this very layout (fill wrote it, or the replay before this one)."""
+        if self._padding == (num_tokens, num_reqs, padded_tokens, padded_reqs):
+            return
         self.input_ids[num_tokens:padded_tokens].zero_()
         self.positions[num_tokens:padded_tokens].zero_()  # within the rotary table whatever max_model_len is
         for slots in self.slot_mapping:
             slots[num_tokens:padded_tokens].fill_(-1)
         self.seq_lens[num_reqs:padded_reqs].zero_()
         self.query_start_loc[num_reqs + 1:padded_reqs + 1].fill_(num_tokens)
+        self._padding = (num_tokens, num_reqs, padded_tokens, padded_reqs)
 
     def metadata(self, backend: AttentionBackend, num_tokens: int, num_reqs: int, query_start_loc: list[int],
                  seq_lens: list[int], max_query_len: int, max_seq_len: int,
