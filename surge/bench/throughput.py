@@ -212,6 +212,10 @@ def _run_hf_continuous(model, workload, time_limit: float | None = None) -> HFRu
             if r.is_finished():
                 results[r.request_id] = list(r.generated_tokens)
         seconds = time.perf_counter() - start  # before the manager's stop, which waits for its running step
+        if len(results) < len(workload) and hasattr(manager, "cancel_request"):  # cut off: the rest is not wanted
+            for i in range(len(workload)):
+                if str(i) not in results:
+                    manager.cancel_request(str(i))
     tokens = [results.get(str(i)) for i in range(len(workload))]
     out = sum(len(t) for t in results.values()) + sum(n for k, n in streamed.items() if k not in results)
     return HFRun(seconds, tokens, out, cut_off=len(results) < len(workload))

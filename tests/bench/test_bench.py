@@ -41,7 +41,7 @@ class _FakeCB:
     fake clock; request "1" wants more tokens than the others get time for."""
 
     def __init__(self, clock):
-        self.clock, self.queue, self.stopped = clock, [], False
+        self.clock, self.queue, self.stopped, self.cancelled = clock, [], False, []
 
     def continuous_batching_context_manager(self, generation_config, block, timeout):
         import contextlib
@@ -55,6 +55,9 @@ class _FakeCB:
     def add_request(self, prompt, request_id, max_new_tokens, streaming):
         assert streaming
         self.queue.append([request_id, max_new_tokens, []])
+
+    def cancel_request(self, request_id):
+        self.cancelled.append(request_id)
 
     def get_result(self, timeout):
         import types
@@ -77,11 +80,12 @@ def test_hf_time_limit_counts_streamed_tokens_of_unfinished_requests(monkeypatch
     fake = _FakeCB(clock)
     run = throughput._run_hf_continuous(fake, [([1, 2], 2), ([3], 50), ([4], 1)], time_limit=6.5)
     # Results at fake seconds 0..6: request 0's two tokens, then request 1 streams five of its 50.
-    assert run.cut_off and fake.stopped
+    assert run.cut_off and fake.stopped and fake.cancelled == ["1", "2"]  # the unfinished ones
     assert run.tokens == [[7, 7], None, None]
     assert run.out_tokens == 7 and run.seconds == pytest.approx(7.0)
-    whole = throughput._run_hf_continuous(_FakeCB(clock), [([1], 3), ([2], 1)], time_limit=100)
-    assert not whole.cut_off and whole.tokens == [[7, 7, 7], [7]] and whole.out_tokens == 4
+    fake = _FakeCB(clock)
+    whole = throughput._run_hf_continuous(fake, [([1], 3), ([2], 1)], time_limit=100)
+    assert not whole.cut_off and whole.tokens == [[7, 7, 7], [7]] and whole.out_tokens == 4 and not fake.cancelled
 
 
 def test_hf_time_limit_refuses_nonsense(capsys):
