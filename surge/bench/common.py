@@ -155,6 +155,12 @@ def hf_model_for(engine: EngineCore):
     return model.eval()
 
 
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (a timed region's edges); nothing to wait for on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 # Where the engine loop's thread spends a step (HostTimer); "rest" is what none of the others covers.
 HOST_PHASES = ("device wait", "schedule", "outputs", "propose", "prepare", "launch", "verify", "advance", "fill",
                "upload", "apply", "rest")

@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from surge.bench.common import ActiveWeights, add_model_args, build_engine, hf_model_for, make_workload, run_engine
+from surge.bench.common import (ActiveWeights, add_model_args, build_engine, hf_model_for, make_workload, run_engine,
+                                sync_device)
 from surge.bench.speculative import add_speculative_args, run_speculative_latency
 
 
@@ -25,10 +26,6 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     add_speculative_args(g)  # with --speculative-config: with and without it, in one run
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
 
 def measure_copy_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
@@ -36,12 +33,12 @@ def measure_copy_bandwidth(device: torch.device) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    _sync(device)
+    sync_device(device)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        sync_device(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n / best
 
@@ -52,12 +49,12 @@ def measure_gemm_peak(device: torch.device, dtype: torch.dtype) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b
-    _sync(device)
+    sync_device(device)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         a @ b
-        _sync(device)
+        sync_device(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n ** 3 / best
 
@@ -66,10 +63,10 @@ def _timed(engine, workload, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         engine.kv_cache_manager.reset_prefix_cache()
-        _sync(engine.config.device)
+        sync_device(engine.config.device)
         start = time.perf_counter()
         run_engine(engine, workload, show_progress=False)
-        _sync(engine.config.device)
+        sync_device(engine.config.device)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -206,15 +203,15 @@ def _compare_hf(engine, args) -> None:
     ids = torch.tensor([prompt], device=engine.config.device)
     with torch.inference_mode():
         hf.generate(ids, max_new_tokens=4, do_sample=False)
-        _sync(engine.config.device)
+        sync_device(engine.config.device)
         start = time.perf_counter()
         out = hf.generate(ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False)
-        _sync(engine.config.device)
+        sync_device(engine.config.device)
     hf_seconds = time.perf_counter() - start
     engine.kv_cache_manager.reset_prefix_cache()
     start = time.perf_counter()
     ours = run_engine(engine, [(prompt, args.output_len)], show_progress=False)["0"]
-    _sync(engine.config.device)
+    sync_device(engine.config.device)
     seconds = time.perf_counter() - start
     same = ours == out[0, len(prompt):].tolist()
     print(f"batch 1, {args.output_len} tokens: surge {args.output_len / seconds:.1f} tok/s, HF generate "

@@ -9,9 +9,8 @@ import argparse
 import time
 from collections import Counter
 
-import torch
 
-from surge.bench.common import HostTimer, build_engine, make_workload, run_engine
+from surge.bench.common import HostTimer, build_engine, make_workload, run_engine, sync_device
 from surge.core.spec_decode_stats import SpecDecodingStats
 from surge.engine.core import EngineCore
 from surge.engine.input_processor import load_tokenizer
@@ -69,17 +68,13 @@ def _timed_run(engine: EngineCore, workload, repeats: int) -> tuple[float, dict[
     best, outputs = float("inf"), {}
     for _ in range(repeats):
         engine.kv_cache_manager.reset_prefix_cache()
-        _sync(engine)
+        sync_device(engine.config.device)
         start = time.perf_counter()
         outputs = run_engine(engine, workload, show_progress=False)
-        _sync(engine)
+        sync_device(engine.config.device)
         best = min(best, time.perf_counter() - start)
     return best, outputs
 
-
-def _sync(engine: EngineCore) -> None:
-    if engine.config.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _delta(after: SpecDecodingStats, before: SpecDecodingStats) -> SpecDecodingStats:

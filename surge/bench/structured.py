@@ -12,9 +12,8 @@ import argparse
 import dataclasses
 import time
 
-import torch
 
-from surge.bench.common import HOST_PHASES, HostTimer, add_model_args, make_workload
+from surge.bench.common import HOST_PHASES, HostTimer, add_model_args, make_workload, sync_device
 from surge.core.request import Request
 from surge.engine.args import EngineArgs
 from surge.engine.core import EngineCore
@@ -47,10 +46,6 @@ def add_structured_args(p: argparse.ArgumentParser) -> None:
                    "preset's vocabulary)")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
 
 def _run(engine: EngineCore, workload, params: SamplingParams) -> tuple[float, dict[str, int], HostTimer]:
     block = engine.config.cache_config.block_size
@@ -60,14 +55,14 @@ def _run(engine: EngineCore, workload, params: SamplingParams) -> tuple[float, d
         p = params.clone(max_tokens=out_len, ignore_eos=True, _eos_token_ids=engine.config.model_config.eos_token_ids)
         engine.add_request(Request(str(i), prompt, p, block))
     counts = {str(i): 0 for i in range(len(workload))}
-    _sync(engine.config.device)
+    sync_device(engine.config.device)
     timer = HostTimer(engine)
     start = time.perf_counter()
     try:
         while engine.has_unfinished_requests():
             for o in engine.step():
                 counts[o.request_id] += len(o.new_token_ids)
-        _sync(engine.config.device)
+        sync_device(engine.config.device)
     finally:
         timer.restore()
     return time.perf_counter() - start, counts, timer

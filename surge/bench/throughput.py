@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from surge.bench.common import ActiveWeights, add_model_args, build_engine, hf_model_for, make_workload, run_engine
+from surge.bench.common import (ActiveWeights, add_model_args, build_engine, hf_model_for, make_workload, run_engine,
+                                sync_device)
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
@@ -120,13 +121,13 @@ def run_throughput(args: argparse.Namespace) -> None:
 def _run_surge(engine, workload, size: int | None) -> tuple[float, list[list[int]]]:
     """Seconds and output tokens of the workload, in waves of `size` requests (all at once for None)."""
     engine.kv_cache_manager.reset_prefix_cache()  # a repeat must not hit the prompts of the run before
-    _sync(engine)
+    sync_device(engine.config.device)
     outputs: list[list[int]] = []
     start = time.perf_counter()
     for wave in _waves(workload, size):
         done = run_engine(engine, wave, show_progress=size is None)
         outputs.extend(done[str(i)] for i in range(len(wave)))
-    _sync(engine)
+    sync_device(engine.config.device)
     return time.perf_counter() - start, outputs
 
 
@@ -163,10 +164,6 @@ def _run_hf(model, engine, workload, size: int | None, time_limit: float | None 
                       total.cut_off or run.cut_off)
     return total
 
-
-def _sync(engine) -> None:
-    if engine.config.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _run_hf_static(model, workload, batch_size: int | None, eos_ids) -> tuple[list[list[int]], float, int]:

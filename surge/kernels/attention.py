@@ -120,7 +120,7 @@ def _paged_attention_kernel(
         q_len = 1
         tile_start = 0
     else:
-        if SEARCH > 0:  # request i's first tile as _find_request counts it; the tile's request is the last at or before it
+        if SEARCH > 0:  # request i's first tile as _find_request counts it; a tile's request: the last at or before
             row = tl.arange(0, SEARCH)
             starts = tl.load(query_start_loc_ptr + row, mask=row <= num_seqs, other=0)
             if BLOCK_Q > 1:
