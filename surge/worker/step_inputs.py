@@ -27,6 +27,7 @@ class StepInputs:
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
         # Packed host inputs (pinned on CUDA), two used in turn, grown on demand; and their device copy.
         self._staging: list[torch.Tensor | None] = [None, None]
+        self._staging_np: list[np.ndarray | None] = [None, None]  # their numpy views
         self._turn = 0
         self._staging_dev: torch.Tensor | None = None
         self._arange = torch.arange(max_reqs + 1, dtype=torch.int32, device=device)
@@ -80,11 +81,9 @@ class StepInputs:
         pad = mixed_padding(num_tokens, num_reqs) if mixed_padding is not None and num_tokens > num_reqs else None
         tokens_out, reqs_out = pad or (num_tokens, num_reqs)  # lengths written, the padding included
 
-        def padded(a: np.ndarray, n: int, value: int) -> np.ndarray:
-            return np.concatenate([a, np.full(n - a.size, value, dtype=np.int64)]) if pad and n > a.size else a
-
-        parts = [padded(token_ids, tokens_out, 0), padded(positions, tokens_out, 0), padded(seq_lens, reqs_out, 0),
-                 padded(query_start_loc, reqs_out + 1, num_tokens)]
+        # (values, length written, fill for the rest: a mixed graph's padding), in the order the copies take them.
+        parts = [(token_ids, tokens_out, 0), (positions, tokens_out, 0), (seq_lens, reqs_out, 0),
+                 (query_start_loc, reqs_out + 1, num_tokens)]
         widths = []
         for g in range(len(self.slot_mapping)):
             rows = [state.block_ids[g] for state in states]
@@ -93,22 +92,27 @@ class StepInputs:
             for i, r in enumerate(rows):
                 table[i, :len(r)] = r
             slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
-            parts += [padded(slots, tokens_out, -1), table.reshape(-1)]
+            parts += [(slots, tokens_out, -1), (table.reshape(-1), num_reqs * width, 0)]
             widths.append(width)
-        parts += [np.asarray(pending_dst, dtype=np.int64), np.asarray(pending_src, dtype=np.int64)]
-        packed = np.concatenate(parts)
+        parts += [(np.asarray(pending_dst, dtype=np.int64), len(pending_dst), 0),
+                  (np.asarray(pending_src, dtype=np.int64), len(pending_src), 0)]
+        size = sum(n for _, n, _ in parts)
         # Two staging buffers, used in turn: with a step in flight, its copy may not have read its buffer yet.
         self._turn ^= 1
         staging = self._staging[self._turn]
-        if staging is None or staging.numel() < packed.size:
+        if staging is None or staging.numel() < size:
             pin = self.device.type == "cuda"
-            staging = self._staging[self._turn] = torch.empty(max(packed.size, 1 << 16), dtype=torch.int64,
-                                                              pin_memory=pin)
-        if self._staging_dev is None or self._staging_dev.numel() < packed.size:
-            self._staging_dev = torch.empty(max(packed.size, 1 << 16), dtype=torch.int64, device=self.device)
-        host = staging[:packed.size]
-        host.numpy()[:] = packed
-        dev = self._staging_dev[:packed.size]
+            staging = self._staging[self._turn] = torch.empty(max(size, 1 << 16), dtype=torch.int64, pin_memory=pin)
+            self._staging_np[self._turn] = staging.numpy()
+        if self._staging_dev is None or self._staging_dev.numel() < size:
+            self._staging_dev = torch.empty(max(size, 1 << 16), dtype=torch.int64, device=self.device)
+        packed, o = self._staging_np[self._turn], 0  # written in place: no concatenation, no second host copy
+        for values, n, fill in parts:
+            packed[o:o + values.size] = values
+            packed[o + values.size:o + n] = fill
+            o += n
+        host = staging[:size]
+        dev = self._staging_dev[:size]
         dev.copy_(host, non_blocking=True)
         o = 0
 
