@@ -26,7 +26,6 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     add_speculative_args(g)  # with --speculative-config: with and without it, in one run
 
 
-
 def measure_copy_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
     n = (1 << 30) if device.type == "cuda" else (1 << 27)

@@ -76,7 +76,6 @@ def _timed_run(engine: EngineCore, workload, repeats: int) -> tuple[float, dict[
     return best, outputs
 
 
-
 def _delta(after: SpecDecodingStats, before: SpecDecodingStats) -> SpecDecodingStats:
     per_pos = [a - (before.accepted_per_pos[j] if j < len(before.accepted_per_pos) else 0)
                for j, a in enumerate(after.accepted_per_pos)]

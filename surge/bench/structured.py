@@ -46,7 +46,6 @@ def add_structured_args(p: argparse.ArgumentParser) -> None:
                    "preset's vocabulary)")
 
 
-
 def _run(engine: EngineCore, workload, params: SamplingParams) -> tuple[float, dict[str, int], HostTimer]:
     block = engine.config.cache_config.block_size
     for i, (prompt, out_len) in enumerate(workload):

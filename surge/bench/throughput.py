@@ -165,7 +165,6 @@ def _run_hf(model, engine, workload, size: int | None, time_limit: float | None 
     return total
 
 
-
 def _run_hf_static(model, workload, batch_size: int | None, eos_ids) -> tuple[list[list[int]], float, int]:
     """HF generate in padded batches; every sequence of a batch runs to the batch's longest output."""
     batch_size = batch_size or len(workload)

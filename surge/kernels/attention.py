@@ -217,7 +217,7 @@ def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_o
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     # A mixed graph's padding tokens (past the last request's end) have no partials: skip reading 16 splits of
-    # garbage for each (a 16-token graph at batch 1 is 11 such tokens of 12); their output rows nobody reads.
+    # garbage for each (a k = 4 verification at batch 1 in a 16-token graph: 11 of its 16); no one reads their rows.
     if SKIP_PADDING:
         if token >= tl.load(query_start_loc_ptr + num_seqs):
             return
