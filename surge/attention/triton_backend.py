@@ -37,16 +37,8 @@ class TritonAttentionBackend(AttentionBackend):
         attention kind), compiled before serving, so no request or graph capture waits for the compiler."""
         if device.type != "cuda":
             return 0
-        from surge.kernels.attention import FEW_TOKENS
-
         kernel = self.kernel(device)
-        keys = [kernel.dispatch(decode_only=decode, num_seqs=n, num_q_heads=shapes.num_q_heads,
-                                num_kv_heads=shapes.num_kv_heads, head_dim=shapes.head_dim,
-                                block_size=shapes.block_size, dtype=shapes.dtype, sliding=sliding, num_tokens=t)
-                for sliding in shapes.sliding
-                for decode, n, t in [(False, max_num_seqs, FEW_TOKENS), (False, max_num_seqs, None)]
-                + [(True, n, None) for n in decode_sizes]]
-        return kernel.compile_many(keys, max_workers=max_workers)
+        return kernel.compile_many(warm_up_keys(kernel, shapes, decode_sizes, max_num_seqs), max_workers=max_workers)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale, prologue=None):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -62,3 +54,16 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_cache, v_cache, meta.block_table, meta.seq_lens_t, meta.query_start_loc_t,
             num_seqs=meta.num_reqs, decode_only=meta.decode_only, sliding_window=sliding_window,
             scale=scale)
+
+
+def warm_up_keys(kernel, shapes: AttentionShapes, decode_sizes: list[int], max_num_seqs: int) -> list:
+    """The launch keys of every attention variant the runtime dispatches: per attention kind, the few-token and the
+    general mixed launch and each decode capture size (repeats collapse in the kernel's cache)."""
+    from surge.kernels.attention import FEW_TOKENS
+
+    return [kernel.dispatch(decode_only=decode, num_seqs=n, num_q_heads=shapes.num_q_heads,
+                            num_kv_heads=shapes.num_kv_heads, head_dim=shapes.head_dim, block_size=shapes.block_size,
+                            dtype=shapes.dtype, sliding=sliding, num_tokens=t)
+            for sliding in shapes.sliding
+            for decode, n, t in [(False, max_num_seqs, FEW_TOKENS), (False, max_num_seqs, None)]
+            + [(True, n, None) for n in decode_sizes]]

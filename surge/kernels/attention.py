@@ -291,11 +291,21 @@ class PagedAttention(CompiledKernel):
                        seq_lens, query_start_loc, 1, 1, 1 if key.sliding else 0, d ** -0.5, warmup=True)
 
 
+def launch_constexprs(key: AttentionKey) -> dict:
+    """The attention kernel's compile-time arguments for a key, num_warps and num_stages included."""
+    launch = key.launch
+    return dict(GROUP=key.num_q_heads // key.num_kv_heads, HEAD_DIM=key.head_dim,
+                HEAD_DIM_PAD=max(16, triton.next_power_of_2(key.head_dim)), CACHE_BLOCK=key.block_size,
+                BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, NUM_SPLITS=launch.num_splits,
+                SLIDING=key.sliding, DECODE=launch.decode, SEARCH=launch.search,
+                DOT_PRECISION="ieee" if key.dtype == torch.float32 else "tf32",
+                num_warps=launch.num_warps, num_stages=launch.num_stages)
+
+
 def _launch(key: AttentionKey, q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, num_tokens: int,
             num_seqs: int, window: int, scale: float, warmup: bool = False):
     launch = key.launch
     head_dim_pad = max(16, triton.next_power_of_2(key.head_dim))
-    group = key.num_q_heads // key.num_kv_heads
     assert tuple(k_cache.stride()) == tuple(v_cache.stride()), "K and V caches must share a layout"
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.stride(-1) == 1
     if launch.block_q == 1:
@@ -317,11 +327,7 @@ def _launch(key: AttentionKey, q, k_cache, v_cache, out, block_table, seq_lens, 
             num_seqs, scale * 1.4426950408889634, window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0))
-    constexprs = dict(GROUP=group, HEAD_DIM=key.head_dim, HEAD_DIM_PAD=head_dim_pad, CACHE_BLOCK=key.block_size,
-                      BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n,
-                      NUM_SPLITS=launch.num_splits, SLIDING=key.sliding, DECODE=launch.decode, SEARCH=launch.search,
-                      DOT_PRECISION="ieee" if key.dtype == torch.float32 else "tf32",
-                      num_warps=launch.num_warps, num_stages=launch.num_stages)
+    constexprs = launch_constexprs(key)
     merge_args = (part_acc, part_ml, out, out.stride(0), out.stride(1), query_start_loc, num_seqs)
     merge_constexprs = dict(HEAD_DIM=key.head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=launch.num_splits,
                             SKIP_PADDING=not launch.decode, num_warps=4)
