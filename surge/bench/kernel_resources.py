@@ -60,6 +60,9 @@ def _cuobjdump() -> str:
 
 def attention_resources(key, arch: int) -> Resources:
     """Compile the attention kernel for `key` (an AttentionKey) for sm_<arch> and read its resource usage."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("kernel_resources compiles for the GPU: run it without TRITON_INTERPRET=1 (the interpreter "
+                           "replaces the kernels with Python functions)")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -1,7 +1,10 @@
 """The device-free resource report compiles each warm-up attention variant for sm_90 with Triton's own ptxas."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -20,13 +23,20 @@ def test_parse_resource_usage_and_occupancy():
     assert kr.Resources(32, 0, 0, 32).programs_per_sm == kr.SM_MAX_PROGRAMS
 
 
-def test_report_covers_every_warm_up_variant(capsys):
+def _run(code: str) -> str:
+    """Python in a child without TRITON_INTERPRET (the suite runs kernels in the interpreter; this compiles them)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_report_covers_every_warm_up_variant():
     keys = kr.attention_variants("tiny-llama", 132, 8)
     kinds = {(k.launch.decode, k.launch.search > 0) for k in keys}
     assert kinds == {(True, False), (False, True), (False, False)}  # decode sizes, few-token, general mixed
-    kr.main(["--preset", "tiny-llama", "--max-num-seqs", "8"])
-    rows = re.findall(r"^(decode|few-token mixed|mixed)\b.*?\s(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", capsys.readouterr().out,
-                      re.M)
+    out = _run("from surge.bench.kernel_resources import main; main(['--preset', 'tiny-llama', '--max-num-seqs', '8'])")
+    rows = re.findall(r"^(decode|few-token mixed|mixed)\b.*?\s(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", out, re.M)
     assert len(rows) == len(keys)
     for _, regs, spill, shared, programs in rows:
         assert 0 < int(regs) <= 255 and int(spill) >= 0 and int(shared) > 0 and int(programs) >= 1
@@ -34,14 +44,23 @@ def test_report_covers_every_warm_up_variant(capsys):
 
 def test_runtime_divisibility_is_what_vectorizes_the_kv_loads():
     """Compiled as a launch specializes it (strides known 16-divisible), decode's KV loads are vectorized and nothing
-    spills; without that knowledge the same variant loads element by element and spills."""
-    keys = [k for k in kr.attention_variants("qwen3-8b", 132, 1) if k.launch.decode]
-    r = kr.attention_resources(keys[0], 90)
-    assert r.spill_bytes == 0 and r.registers < 200
-    real = kr._runtime_strides
-    try:
-        kr._runtime_strides = lambda key: {name: 17 for name in real(key)}  # nothing divisible
-        blind = kr.attention_resources(keys[0], 90)
-    finally:
-        kr._runtime_strides = real
-    assert blind.registers + blind.spill_bytes // 4 > r.registers
+    spills; without that knowledge the same variant loads element by element and takes more registers or spills."""
+    out = _run("""
+from surge.bench import kernel_resources as kr
+key = next(k for k in kr.attention_variants("qwen3-8b", 132, 1) if k.launch.decode)
+r = kr.attention_resources(key, 90)
+real = kr._runtime_strides
+kr._runtime_strides = lambda key: {name: 17 for name in real(key)}  # nothing divisible
+blind = kr.attention_resources(key, 90)
+print(r.registers, r.spill_bytes, blind.registers, blind.spill_bytes)
+""")
+    regs, spill, blind_regs, blind_spill = map(int, out.split())
+    assert spill == 0 and regs < 200
+    assert blind_regs + blind_spill // 4 > regs
+
+
+def test_refuses_to_run_in_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    key = kr.attention_variants("tiny-llama", 132, 1)[0]
+    with pytest.raises(RuntimeError, match="without TRITON_INTERPRET=1"):
+        kr.attention_resources(key, 90)
