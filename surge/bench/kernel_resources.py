@@ -21,9 +21,10 @@ import torch
 SM_REGISTERS = 65536
 SM_SHARED_BYTES = 228 * 1024
 SM_MAX_PROGRAMS = 32
-_POINTERS = {"q_ptr": "q", "k_cache_ptr": "q", "v_cache_ptr": "q", "out_ptr": "q", "part_acc_ptr": "*fp32",
-             "part_ml_ptr": "*fp32", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-             "query_start_loc_ptr": "*i32", "qk_scale": "fp32"}
+# The kernel's arguments that are not 32-bit integers; None: a pointer to the model's dtype.
+_ARG_TYPES = {"q_ptr": None, "k_cache_ptr": None, "v_cache_ptr": None, "out_ptr": None, "part_acc_ptr": "*fp32",
+              "part_ml_ptr": "*fp32", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+              "query_start_loc_ptr": "*i32", "qk_scale": "fp32"}
 _TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 
 
@@ -73,8 +74,7 @@ def attention_resources(key, arch: int) -> Resources:
     options = {name: constexprs.pop(name) for name in ("num_warps", "num_stages")}
     q_type = _TRITON_TYPES[key.dtype]
     names = _paged_attention_kernel.arg_names
-    signature = {name: "constexpr" if name in constexprs else
-                 (q_type if _POINTERS.get(name) == "q" else _POINTERS.get(name, "i32")) for name in names}
+    signature = {name: "constexpr" if name in constexprs else _ARG_TYPES.get(name, "i32") or q_type for name in names}
     # As a launch specializes them: every pointer (torch allocations, the q view at offset 0 of the fused qkv
     # projection) and every integer the runtime passes that is a multiple of 16 are known 16-divisible, which is
     # what lets the compiler vectorize the KV loads; the do_not_specialize ones (step-varying) are not.

@@ -9,7 +9,6 @@ import argparse
 import time
 from collections import Counter
 
-
 from surge.bench.common import HostTimer, build_engine, make_workload, run_engine, sync_device
 from surge.core.spec_decode_stats import SpecDecodingStats
 from surge.engine.core import EngineCore

@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import time
 
-
 from surge.bench.common import HOST_PHASES, HostTimer, add_model_args, make_workload, sync_device
 from surge.core.request import Request
 from surge.engine.args import EngineArgs

@@ -342,11 +342,12 @@ class ModelRunner:
                 else hidden[device_tensor(idx, self.device, torch.long)])
         logits = self.model.compute_logits(rows)
         out = verify(logits, requests, device_verdicts=self.draft is not None) if logits is not None else None
-        self._verified = ([state.request_id for state, _ in requests], [len(d) for _, d in requests], out)
+        request_ids = [state.request_id for state, _ in requests]
+        self._verified = (request_ids, [len(d) for _, d in requests], out)
         if out is None:
             return
         pending.verify = VerifiedDrafts(
-            [state.request_id for state, _ in requests], [list(d) for _, d in requests],
+            request_ids, [list(d) for _, d in requests],
             [state.params.logprobs for state, _ in requests], _to_host(out.token_ids),
             None if out.num_accepted is None else _to_host(out.num_accepted),
             None if out.logprobs is None else tuple(_to_host(t) for t in out.logprobs))
