@@ -177,14 +177,14 @@ class HostTimer:
     def __init__(self, engine: EngineCore) -> None:
         from surge.worker import executor, model_runner
 
-        self.seconds = dict.fromkeys(("step", *HOST_PHASES[:-1]), 0.0)
+        self.seconds = dict.fromkeys(("step", *HOST_PHASES[:-1], "propose in outputs"), 0.0)
         self.steps = self.waits = 0
         self._undo = []
         manager = engine.structured_output
         self._wrap(engine, "step", "step", count=True)
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine, "_process", "outputs")
-        self._wrap(engine, "_propose", "propose")  # inside "outputs": taken out of it in per_step
+        self._wrap(engine, "_propose", "propose in outputs")  # taken out of "outputs" in per_step
         self._wrap(manager, "advance", "advance")
         self._wrap(manager, "bitmask", "fill")
         self._wrap(manager, "fill_in_background", "fill", returns_wait=True)
@@ -195,6 +195,7 @@ class HostTimer:
         self._wrap(model_runner.ModelRunner, "prepare_inputs", "prepare")
         self._wrap(model_runner.ModelRunner, "forward", "launch")  # a graph replay, or the eager launches
         self._wrap(model_runner.ModelRunner, "_verify_drafts", "verify")
+        self._wrap(model_runner.ModelRunner, "_propose_ngram", "propose")  # the device lookup's launches
         if hasattr(executor, "_RemoteStep"):
             self._wrap(executor._RemoteStep, "result", "device wait")
         waits_for = manager.waits_for
@@ -243,6 +244,8 @@ class HostTimer:
         n = max(self.steps, 1)
         out = {k: v / n for k, v in self.seconds.items()}
         out["upload"] -= out["apply"]
-        out["outputs"] -= out["propose"]
+        inside = out.pop("propose in outputs")
+        out["outputs"] -= inside
+        out["propose"] += inside
         out["rest"] = out["step"] - sum(out[k] for k in HOST_PHASES[:-1])
         return out

@@ -9,6 +9,8 @@ import argparse
 import time
 from collections import Counter
 
+import torch
+
 from surge.bench.common import HostTimer, build_engine, make_workload, run_engine, sync_device
 from surge.core.spec_decode_stats import SpecDecodingStats
 from surge.engine.core import EngineCore
@@ -149,6 +151,19 @@ class _AlwaysPropose:
         return [token_ids[-1]] * k
 
 
+def _always_propose_on_device(ngram) -> None:
+    """The device lookup (DeviceNgram) made to answer k copies of each row's last token, all of them to verify:
+    the lookup still runs, so the step pays for it as a real one does."""
+    lookup = ngram.propose
+
+    def propose(rows, max_length: int):
+        drafts, valid = lookup(rows, max_length)
+        last = ngram.tokens[rows, (ngram.lengths[rows] - 1).clamp_min(0)]
+        return last[:, None].expand_as(drafts).contiguous(), torch.full_like(valid, ngram.k)
+
+    ngram.propose = propose
+
+
 def _per_step(engine: EngineCore, workload, repeats: int) -> tuple[float, dict[str, float]]:
     """Seconds per step after the prefill: (whole run - prompt-only run) / the decode steps between; and where the
     engine loop's thread spent a step of the last whole run (HostTimer's phases)."""
@@ -180,12 +195,18 @@ def _per_step(engine: EngineCore, workload, repeats: int) -> tuple[float, dict[s
 
 def _verify_cost(args: argparse.Namespace, plain: EngineCore, spec: EngineCore) -> None:
     """A verification step of k forced drafts against a decode step, and the decode step without async scheduling
-    (speculation steps synchronously: the difference between the two decode figures is the host's share that
-    async scheduling hides), each with the engine loop's host time per step by phase."""
+    (the difference between the two decode figures is the host's share that async scheduling hides; n-gram
+    verification steps overlap like decode steps there, their drafts looked up on the device), each with the engine
+    loop's host time per step by phase."""
     k = spec.config.speculative_config.num_speculative_tokens
-    if spec.proposer is None:
-        raise ValueError("--verify-cost forces drafts through the n-gram proposer's place: use method 'ngram'")
-    spec.proposer = _AlwaysPropose(k)
+    runner = getattr(spec.executor, "runner", None)
+    if spec.proposer is not None:
+        spec.proposer = _AlwaysPropose(k)
+    elif runner is not None and runner.ngram is not None:  # async scheduling: drafts looked up on the device
+        _always_propose_on_device(runner.ngram)
+    else:
+        raise ValueError("--verify-cost forces drafts through the n-gram proposer's place: use method 'ngram' (and "
+                         "one rank in the engine's process, under async scheduling)")
     phases = ("step", "device wait", "schedule", "outputs", "propose", "prepare", "launch", "verify", "rest")
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         workload = make_workload(bs, args.input_len, args.output_len, 0.0, plain.config.model_config.vocab_size, bs)

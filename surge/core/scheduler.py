@@ -6,7 +6,10 @@ prefix-cache hits are one mechanism. When blocks run out, the newest running req
 Progress is booked when a step is scheduled: its tokens count as computed, and a token it samples counts as
 pending until its value arrives (update_from_output). So the next step can be scheduled while this one runs.
 A request may carry draft tokens (speculative decoding): it is scheduled for 1 + k tokens, and when only j drafts
-are accepted its computed tokens roll back and the KV blocks past the new end are freed.
+are accepted its computed tokens roll back and the KV blocks past the new end are freed. With drafts the runner
+proposes on the device (n-gram lookup under async scheduling), a request is scheduled again while its verdict is
+still in flight: 1 + k more tokens, counted as if every draft were accepted, and the runner starts the row where the
+verdict really ended (the rollback then books the difference, as above).
 
 The scheduler also remembers what the runner holds of each request, so the step message carries only diffs.
 """
@@ -24,8 +27,12 @@ from surge.core.spec_decode_stats import SpecDecodingStats
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 connector: SchedulerConnector | None = None, num_lookahead_tokens: int = 0) -> None:
+                 connector: SchedulerConnector | None = None, num_lookahead_tokens: int = 0,
+                 num_device_drafts: int = 0) -> None:
         self.config = config
+        # k when the runner proposes drafts on the device after every sampling step (surge/spec_decode/ngram.py
+        # DeviceNgram): a request may then be scheduled ahead of its verdict (_num_ahead_drafts).
+        self.num_device_drafts = num_device_drafts
         # A draft model writes its KV for up to this many positions past a sampling step's end while it proposes
         # (surge/worker/draft_model.py): they get slots too, and are not offered to the prefix cache.
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -64,23 +71,33 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
+        ahead: dict[str, int] = {}  # request id -> device drafts of a step scheduled ahead of its verdict
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_pending_tokens and (self._ends_with_pending(req) or req.num_spec_in_flight):
+            num_ahead = self._num_ahead_drafts(req)
+            if num_ahead and num_ahead + 1 > budget:
+                num_ahead = -1  # not this step: the tokens it would verify do not fit
+            if num_ahead < 0 or (req.num_pending_tokens and not num_ahead
+                                 and (self._ends_with_pending(req) or req.num_spec_in_flight)):
                 # Its last token is on its way and ends it, or drafts in flight decide where it resumes.
                 i += 1
                 continue
             if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
                 i += 1  # the prompt only (scoring): its last chunk is in flight, and that step finishes it
                 continue
-            num_spec = self._num_spec_tokens(req)
-            num_new = min(req.num_tokens_with_pending - req.num_computed_tokens + num_spec, budget)
+            if num_ahead:
+                num_new = 1 + num_ahead
+            else:
+                num_spec = self._num_spec_tokens(req)
+                num_new = min(req.num_tokens_with_pending - req.num_computed_tokens + num_spec, budget)
             assert num_new > 0
             lookahead = self._num_lookahead(req.num_computed_tokens + num_new, req.num_tokens_with_pending)
-            while not self.kv.allocate_slots(req, num_new + lookahead, num_unready_tokens=lookahead):
+            # Drafts in flight may still roll the computed tokens back: sliding windows keep blocks for that.
+            while not self.kv.allocate_slots(req, num_new + lookahead, num_unready_tokens=lookahead,
+                                             num_uncertain_tokens=req.num_spec_in_flight):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
@@ -88,6 +105,8 @@ class Scheduler:
                     break
             else:
                 scheduled[req.request_id] = num_new
+                if num_ahead:
+                    ahead[req.request_id] = num_ahead
                 budget -= num_new
                 i += 1
                 continue
@@ -141,12 +160,13 @@ class Scheduler:
             if num_new is None:
                 continue
             end = req.num_computed_tokens + num_new
-            samples = end >= req.num_tokens_with_pending and req.params.max_tokens != 0
-            spec = req.spec_token_ids[:end - req.num_tokens_with_pending] if samples else []
-            out.scheduled.append(self._scheduled_entry(req, num_new, samples, spec, out))
+            num_ahead = ahead.get(req.request_id, 0)
+            samples = (end >= req.num_tokens_with_pending and req.params.max_tokens != 0) or bool(num_ahead)
+            spec = req.spec_token_ids[:end - req.num_tokens_with_pending] if samples and not num_ahead else []
+            out.scheduled.append(self._scheduled_entry(req, num_new, samples, spec, out, num_ahead))
             req.num_computed_tokens += num_new
             req.num_pending_tokens += samples
-            req.num_spec_in_flight = len(spec)
+            req.num_spec_in_flight += len(spec) + num_ahead
             req.spec_token_ids = []  # proposed anew after the verdict
         if out.scheduled or self.has_connector_work():  # an output that is not executed would lose them
             out.finished_ids, self._finished_ids = self._finished_ids, []
@@ -161,6 +181,25 @@ class Scheduler:
             return 0
         return max(0, min(self.num_lookahead_tokens, self.config.max_model_len - end))
 
+    def _num_ahead_drafts(self, req: Request) -> int:
+        """k for a request whose sampling step is in flight when it can be scheduled ahead of it, verifying the k
+        drafts the runner proposes on the device after that step; 0 when it must wait for the host (its sampling
+        reads earlier tokens: penalties, an unmet min_tokens, a grammar; or the step in flight may end it by
+        length), or when k more drafts could pass max_model_len."""
+        k, p = self.num_device_drafts, req.params
+        if not k or req.num_pending_tokens != 1:
+            return 0
+        if p.uses_penalties or p.structured_outputs is not None or req.num_output_tokens < p.min_tokens:
+            return 0
+        most = req.num_output_tokens + 1 + req.num_spec_in_flight  # outputs once the step in flight is in
+        if p.max_tokens is not None and most >= p.max_tokens:
+            return 0
+        # Counted as accepted, the step in flight ends the known tokens at num_computed_tokens + 1; this one
+        # computes 1 + k from there and may yield k + 1 tokens.
+        if req.num_computed_tokens + k + 2 > self.config.max_model_len:
+            return 0
+        return k
+
     def _num_spec_tokens(self, req: Request) -> int:
         """Drafts to verify this step: only after the whole known sequence, and never past max_model_len."""
         if not req.spec_token_ids or req.num_pending_tokens or req.num_computed_tokens + 1 != req.num_tokens:
@@ -168,7 +207,7 @@ class Scheduler:
         return max(0, min(len(req.spec_token_ids), self.config.max_model_len - 1 - req.num_tokens))
 
     def _scheduled_entry(self, req: Request, num_new: int, samples: bool, spec: list[int],
-                         out: SchedulerOutput) -> ScheduledRequest:
+                         out: SchedulerOutput, num_ahead: int = 0) -> ScheduledRequest:
         """The step's entry for req as a diff against what the runner holds (a NewRequest the first time)."""
         rid = req.request_id
         known = self._runner_tokens.get(rid)
@@ -178,7 +217,7 @@ class Scheduler:
         self._runner_tokens[rid] = req.num_tokens
         starts, block_ids = self.kv.take_block_changes(rid)
         return ScheduledRequest(rid, req.num_computed_tokens, num_new, samples, req.token_ids[known:], starts,
-                                block_ids, spec)
+                                block_ids, spec, num_ahead)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)  # the runner keeps the request (and its RNG); its block table is sent again from 0
@@ -198,8 +237,10 @@ class Scheduler:
 
     def needs_output_history(self) -> bool:
         """True when a running request's next step depends on the tokens of the one before: its sampling reads them
-        (penalties), or it carries draft tokens (proposed after, and verified against, its last token)."""
-        return any(r.params.uses_penalties or r.spec_token_ids for r in self.running)
+        (penalties), or it carries draft tokens proposed on the host (after, and verified against, its last token;
+        with device drafts a request that carries host ones has no step in flight, so nothing waits for one)."""
+        return any(r.params.uses_penalties or (r.spec_token_ids and not self.num_device_drafts)
+                   for r in self.running)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
                            kv_output: KVConnectorOutput | None = None) -> list[tuple[Request, list[int]]]:
@@ -214,17 +255,18 @@ class Scheduler:
             if req is None:
                 continue  # finished (stopped, aborted) while this step was in flight: its tokens are dropped
             req.num_pending_tokens -= s.samples
-            req.num_spec_in_flight -= len(s.spec_token_ids)  # an older chunk's result leaves later drafts in flight
+            num_drafts = s.num_drafts
+            req.num_spec_in_flight -= num_drafts  # an older step's result leaves later drafts in flight
             tokens = sampled.get(s.request_id)
             if not tokens:
                 if req.params.max_tokens == 0 and s.num_computed_tokens + s.num_new_tokens >= req.num_tokens:
                     self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)  # the prompt only: done
                     progressed.append((req, []))
                 continue  # a prefill chunk that did not reach the end yet
-            num_rejected = len(s.spec_token_ids) - (len(tokens) - 1)
-            assert num_rejected >= 0, (s.request_id, s.spec_token_ids, tokens)
-            if s.spec_token_ids:  # the verdict as verified, before a stop cuts the run
-                self.spec_stats.observe(len(s.spec_token_ids), len(tokens) - 1)
+            num_rejected = num_drafts - (len(tokens) - 1)
+            assert num_rejected >= 0, (s.request_id, s.spec_token_ids, s.device_drafts, tokens)
+            if num_drafts:  # the verdict as verified, before a stop cuts the run
+                self.spec_stats.observe(num_drafts, len(tokens) - 1)
             if num_rejected and req.status == RequestStatus.RUNNING:
                 req.num_computed_tokens -= num_rejected
                 self.kv.trim(req, req.num_computed_tokens)

@@ -36,6 +36,15 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_block_ids: list[list[int]] = []
     # Draft tokens placed after the request's last token; the runner verifies them and returns 1 + j tokens.
     spec_token_ids: list[int] = []
+    # Scheduled ahead of its verdict (the step before is in flight): k drafts the runner proposed on the device
+    # after that step. The row's tokens (that step's last token, then the drafts) come from the device, and it
+    # starts where that verdict ended, num_computed_tokens minus the drafts it rejected (counted here as accepted).
+    device_drafts: int = 0
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts this step verifies for the request."""
+        return len(self.spec_token_ids) + self.device_drafts
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):

@@ -81,11 +81,16 @@ class EngineCore:
         # The scheduler half of the KV connector, if any (each worker rank holds the other half).
         self.kv_connector = create_connector(config, KVConnectorRole.SCHEDULER, self.executor.kv_cache_config)
         sc = config.speculative_config
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        # n-gram drafts: under async scheduling the runner looks them up on the device after every sampling step
+        # (a request's next step is then launched before its verdict is back); else here, after the verdict.
+        device_ngram = sc is not None and sc.method == "ngram" and self.async_scheduling
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
                                    num_lookahead_tokens=sc.num_speculative_tokens
-                                   if sc is not None and sc.method == "draft_model" else 0)
-        # n-gram drafts are looked up here; a draft model's come with each step's output.
-        self.proposer = NgramProposer(sc) if sc is not None and sc.method == "ngram" else None
+                                   if sc is not None and sc.method == "draft_model" else 0,
+                                   num_device_drafts=sc.num_speculative_tokens if device_ngram else 0)
+        # Host n-gram drafts are looked up here; a draft model's, and device ones, come with each step's output.
+        self.proposer = NgramProposer(sc) if sc is not None and sc.method == "ngram" and not device_ngram else None
         self.speculates = sc is not None
         self.structured_output = _structured_output_manager(config)
         # In-process runner: it asks for the step's masks after launching the forward, so they are filled (and the
@@ -98,7 +103,6 @@ class EngineCore:
         self._masks_deferred = runner is not None
         if runner is not None:
             runner.grammar_bitmask_source = self._grammar_bitmask
-        self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._first_scheduled: dict[str, float] = {}  # request id -> when first scheduled, until its first output
         kvc = self.executor.kv_cache_config
@@ -181,10 +185,11 @@ class EngineCore:
 
     def _step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        # Speculation steps synchronously: drafts come after a request's last token, which is never on the host
-        # while a step is in flight (the H200 run proposed nothing under async scheduling).
+        # Speculation steps synchronously unless its drafts are looked up on the device: host drafts come after a
+        # request's last token, which is never on the host while a step is in flight (the H200 run proposed nothing
+        # under async scheduling before the device n-gram lookup).
         overlap = (self.async_scheduling and not self.scheduler.needs_output_history()
-                   and self.config.speculative_config is None)
+                   and (self.config.speculative_config is None or self.scheduler.num_device_drafts > 0))
         if self._in_flight is not None and not overlap:
             outputs = self._finish_in_flight()
         sched_out = self.scheduler.schedule()

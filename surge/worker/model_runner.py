@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import torch
 
 from surge.attention.backend import AttentionMetadata, AttentionShapes, default_backend_name, get_backend
@@ -30,11 +31,12 @@ from surge.logger import init_logger
 from surge.model.layers.linear import num_kv_heads_per_rank
 from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs, device_tensor
 from surge.model.loader.base import load_model
+from surge.spec_decode.ngram import DeviceNgram
 from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from surge.worker.request_state import CachedRequestState, RequestStates
 from surge.worker.draft_model import DraftModel
 from surge.worker.spec_verify import VerifiedDrafts, VerifyResult, verify
-from surge.worker.step_inputs import StepInputs
+from surge.worker.step_inputs import DeviceDrafts, StepInputs
 import surge.attention.torch_backend  # noqa: F401,I001  (registers the backends)
 import surge.attention.triton_backend  # noqa: F401,I001
 import surge.weight_cache.ipc_loader  # noqa: F401,I001  (registers the weight_cache loader)
@@ -109,6 +111,12 @@ class ModelRunner:
         self.backend = get_backend(default_backend_name(self.device))
         spec = config.speculative_config  # a draft model: its own KV layers in the same blocks
         self.draft = DraftModel(config, self.device) if spec is not None and spec.method == "draft_model" else None
+        # n-gram drafts under async scheduling: looked up here, on the device, after every sampling step, so a
+        # request's next step can be launched before its verdict reaches the host (the engine looks them up on
+        # the host otherwise). _ahead: what the last step left for such a step.
+        self.ngram = (DeviceNgram(spec, mc.max_model_len, self.device) if spec is not None and spec.method == "ngram"
+                      and config.scheduler_config.async_scheduling else None)
+        self._ahead: DeviceDrafts | None = None
         self._verified: tuple[list[str], list[int], VerifyResult | None] | None = None  # this step's verdicts
         start = time.perf_counter()
         self.kv_cache_config = self._size_kv_cache()
@@ -218,6 +226,8 @@ class ModelRunner:
         """Launch the step on the device and return without waiting for it. Its sampled tokens stay on the device
         too, where the next step reads any token it needs before the host has it."""
         states = self.requests.apply(out)
+        if self.ngram is not None:
+            self.ngram.remove(out.finished_ids)
         pending = PendingOutput()
         connector = self.kv_connector
         if connector is not None:
@@ -234,6 +244,8 @@ class ModelRunner:
                 drafted = self.draft.propose_after(batch, self._last_sampled, self._last_rows, self._verified)
                 if drafted is not None and self.samples:
                     pending.drafts = (drafted[0], _to_host(drafted[1]))
+            if self.ngram is not None:
+                self._propose_ngram(batch, pending)
         if connector is not None:
             connector.save_kv()
             pending.kv_output = connector.get_finished()
@@ -249,12 +261,13 @@ class ModelRunner:
         graphs = self.graph_runner
         num_tokens, num_reqs, query_start_loc, seq_lens = self.inputs.fill(
             scheduled, states, self._last_sampled, self._last_rows,
-            mixed_padding=graphs.mixed_padding if graphs is not None else None)
+            mixed_padding=graphs.mixed_padding if graphs is not None else None, ahead=self._ahead,
+            exact_host_lengths=not self.backend.supports_cuda_graphs)
         max_query_len = max(s.num_new_tokens for s in scheduled)
         meta = self.inputs.metadata(self.backend, num_tokens, num_reqs, query_start_loc, seq_lens, max_query_len,
                                     max(seq_lens))
         # Requests with drafts sample in the verification (spec_verify.py), the others here.
-        plain = [s.samples and not s.spec_token_ids for s in scheduled]
+        plain = [s.samples and not s.num_drafts for s in scheduled]
         sample_idx = [query_start_loc[i + 1] - 1 for i, yes in enumerate(plain) if yes]
         sample_states = [state for yes, state in zip(plain, states) if yes]
         return StepBatch(scheduled, states, num_tokens, num_reqs, meta, sample_idx, sample_states)
@@ -307,7 +320,7 @@ class ModelRunner:
         if logits is not None:
             sampler_out = self.sampler(logits, [self._sampling_row(s, req) for s, req in
                                                 zip(batch.scheduled, batch.states)
-                                                if s.samples and not s.spec_token_ids])
+                                                if s.samples and not s.num_drafts])
             sampled = sampler_out.sampled_token_ids
             pending.sample_ids = sample_ids
             pending.num_logprobs = [req.params.logprobs for req in batch.sample_states]
@@ -322,17 +335,20 @@ class ModelRunner:
 
     def _verify_drafts(self, batch: StepBatch, hidden: torch.Tensor, pending: PendingOutput) -> None:
         """Requests with drafts: the logits at the position of the last known token and of each draft, verified
-        exactly (spec_verify.py: greedy or sampled, penalties and min_tokens per position), on rank 0. Their next
-        step waits for the host (the scheduler holds them while the verdict is in flight), so no rank needs these
-        tokens on the device."""
+        exactly (spec_verify.py: greedy or sampled, penalties and min_tokens per position), on rank 0. A request's
+        next step waits for the host (the scheduler holds it while the verdict is in flight), or, with device
+        drafts, takes what the verdict left from the device (_propose_ngram)."""
         qsl = batch.meta[0].query_start_loc
-        requests, idx = [], []
+        requests, idx, draft_pos = [], [], []
         for i, (s, state) in enumerate(zip(batch.scheduled, batch.states)):
-            if s.spec_token_ids:
-                assert s.num_computed_tokens + 1 == state.num_tokens, (s.request_id, s.num_computed_tokens)
-                k = len(s.spec_token_ids)
-                requests.append((state, s.spec_token_ids))
+            if s.num_drafts:
+                # A row scheduled ahead starts after tokens the host has not seen; any other follows them all.
+                assert s.device_drafts or s.num_computed_tokens + 1 == state.num_tokens, (s.request_id,
+                                                                                          s.num_computed_tokens)
+                k = s.num_drafts
+                requests.append((state, s.spec_token_ids or k))
                 idx.extend(range(qsl[i + 1] - 1 - k, qsl[i + 1]))
+                draft_pos.extend(range(qsl[i + 1] - k, qsl[i + 1]))
         self._verified = None
         if not requests:
             return
@@ -341,16 +357,73 @@ class ModelRunner:
         rows = (hidden[idx[0]:idx[-1] + 1] if idx[-1] - idx[0] + 1 == len(idx)
                 else hidden[device_tensor(idx, self.device, torch.long)])
         logits = self.model.compute_logits(rows)
-        out = verify(logits, requests, device_verdicts=self.draft is not None) if logits is not None else None
+        # Device drafts are known only there: read from the step's own input tokens.
+        draft_ids = (self.inputs.input_ids[device_tensor(draft_pos, self.device, torch.long)]
+                     if any(isinstance(d, int) for _, d in requests) else None)
+        out = (verify(logits, requests, device_verdicts=self.draft is not None or self.ngram is not None,
+                      draft_ids=draft_ids) if logits is not None else None)
         request_ids = [state.request_id for state, _ in requests]
-        self._verified = (request_ids, [len(d) for _, d in requests], out)
+        self._verified = (request_ids, [s.num_drafts for s in batch.scheduled if s.num_drafts], out)
         if out is None:
             return
         pending.verify = VerifiedDrafts(
-            request_ids, [list(d) for _, d in requests],
+            request_ids, [d if isinstance(d, int) else list(d) for _, d in requests],
             [state.params.logprobs for state, _ in requests], _to_host(out.token_ids),
             None if out.num_accepted is None else _to_host(out.num_accepted),
             None if out.logprobs is None else tuple(_to_host(t) for t in out.logprobs))
+
+    def _propose_ngram(self, batch: StepBatch, pending: PendingOutput) -> None:
+        """After sampling: every sampling request's new tokens join its device history (the sampled one, or the
+        verdict's 1 + j), then its n-gram drafts are looked up there. They stay on the device for a next step
+        scheduled ahead of this one's verdict (_ahead) and go to the host for one that waits (the engine's drafts).
+        Rank 0 verified; the other ranks learn the verdicts by one broadcast and look the drafts up alike."""
+        plain = batch.sample_states
+        verified = self._verified
+        self._ahead = None
+        if not plain and verified is None:
+            return
+        ngram, k = self.ngram, self.ngram.k
+        width = k + 1  # tokens a row may gain this step
+        parts, counts, firsts, rejected, states = [], [], [], [], list(plain)
+        if plain:
+            sampled = self._last_sampled[:len(plain), None]
+            parts.append(sampled.expand(len(plain), width))
+            counts.append(torch.ones(len(plain), dtype=torch.int64, device=self.device))
+            firsts.append(sampled[:, 0])
+            rejected.append(torch.zeros(len(plain), dtype=torch.int64, device=self.device))
+        if verified is not None:
+            ids, num_drafts, out = verified
+            buf = torch.zeros(len(ids), width + 1, dtype=torch.int64, device=self.device)  # verdicts, accepted
+            if out is not None:
+                starts = np.cumsum([0] + [d + 1 for d in num_drafts[:-1]], dtype=np.int64)
+                cols = np.minimum(np.arange(width)[None, :], np.asarray(num_drafts)[:, None])
+                buf[:, :width] = out.token_ids[device_tensor(starts[:, None] + cols, self.device)]
+                buf[:, width] = out.num_accepted
+            buf = self.tp.broadcast(buf)
+            accepted = buf[:, width]
+            parts.append(buf[:, :width])
+            counts.append(accepted + 1)
+            firsts.append(buf[:, :width].gather(1, accepted[:, None])[:, 0])
+            rejected.append(device_tensor(np.asarray(num_drafts, dtype=np.int64), self.device) - accepted)
+            by_id = {state.request_id: state for state in batch.states}
+            states += [by_id[rid] for rid in ids]
+        rows = []
+        for state in states:
+            row = ngram.row_of.get(state.request_id)
+            if row is None:  # its first sample: the runner holds every token so far
+                row = ngram.add(state.request_id, device_tensor(state.token_ids, self.device, torch.long))
+            rows.append(row)
+        rows_t = device_tensor(rows, self.device, torch.long)
+        ngram.append(rows_t, torch.cat(parts), torch.cat(counts))
+        # A bound on every row's length now: each step's end (as the host counted it) and its one new token.
+        max_length = max(s.num_computed_tokens + s.num_new_tokens for s in batch.scheduled if s.samples) + 1
+        drafts, valid = ngram.propose(rows_t, max_length)
+        rids = [state.request_id for state in states]
+        self._ahead = DeviceDrafts({rid: j for j, rid in enumerate(rids)},
+                                   torch.cat((torch.cat(firsts)[:, None], drafts), dim=1), torch.cat(rejected))
+        if self.samples:
+            pending.drafts = (rids, _to_host(drafts))
+            pending.num_valid_drafts = _to_host(valid)
 
     def _sampling_row(self, s: ScheduledRequest, req: CachedRequestState) -> SamplingRow:
         p = req.params
@@ -394,7 +467,8 @@ class PendingOutput:
     prompt_logprobs: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     kv_output: KVConnectorOutput | None = None
     verify: VerifiedDrafts | None = None
-    drafts: tuple[list[str], torch.Tensor] | None = None  # the draft model's proposals: request ids, [n, k]
+    drafts: tuple[list[str], torch.Tensor] | None = None  # the proposals for each request's next step: ids, [n, k]
+    num_valid_drafts: torch.Tensor | None = None  # [n]: of each row, the leading drafts to use (device n-gram)
 
     def ready(self) -> bool:
         """True once result() would not wait."""
@@ -415,6 +489,9 @@ class PendingOutput:
             self.verify.into(result)
         if self.drafts is not None:
             result.draft_token_ids = dict(zip(self.drafts[0], self.drafts[1].tolist()))
+            if self.num_valid_drafts is not None:
+                for rid, n in zip(self.drafts[0], self.num_valid_drafts.tolist()):
+                    del result.draft_token_ids[rid][n:]
         for rid, first, ids, lps, ranks in self.prompt_logprobs:
             result.prompt_logprobs[rid] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
         return result

@@ -28,11 +28,16 @@ class VerifyResult:
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # ids, logprobs, ranks per position
 
 
-def verify_rows(state: CachedRequestState, drafts: list[int]) -> list[SamplingRow]:
-    """The k + 1 sampling rows of one request whose drafts follow its whole known sequence."""
+def verify_rows(state: CachedRequestState, drafts: list[int] | int) -> list[SamplingRow]:
+    """The k + 1 sampling rows of one request whose drafts follow its whole known sequence. drafts: the tokens, or
+    only their count k when they are on the device alone (a request scheduled ahead of its verdict, which never
+    uses penalties or an unmet min_tokens, so its rows need neither the drafts nor the newest outputs)."""
     p = state.params
     base = state.num_output_tokens
     outputs = state.output_token_ids if p.uses_penalties else []
+    if isinstance(drafts, int):
+        assert not p.uses_penalties, state.request_id
+        drafts = [0] * drafts
     rows = []
     for j in range(len(drafts) + 1):
         history = outputs + drafts[:j] if p.uses_penalties else []
@@ -40,29 +45,33 @@ def verify_rows(state: CachedRequestState, drafts: list[int]) -> list[SamplingRo
     return rows
 
 
-def verify(logits: torch.Tensor, requests: list[tuple[CachedRequestState, list[int]]],
-           device_verdicts: bool = True) -> VerifyResult:
-    """logits [sum(k_i + 1), V]: each request's k_i + 1 positions in order, requests in the given order.
+def verify(logits: torch.Tensor, requests: list[tuple[CachedRequestState, list[int] | int]],
+           device_verdicts: bool = True, draft_ids: torch.Tensor | None = None) -> VerifyResult:
+    """logits [sum(k_i + 1), V]: each request's k_i + 1 positions in order, requests in the given order, each with
+    its drafts (or their count: verify_rows). draft_ids: every request's drafts on the device [sum k_i] (the step's
+    own input tokens), needed when some are only there; None: uploaded from the lists.
     device_verdicts=False: when every row is greedy and none wants logprobs, only the argmax is computed and the
     accepted counts are left to the host (VerifiedDrafts.into compares the drafts), ~10 launches and 5 copies
-    fewer per step; a draft model, which continues from the verdicts on the device, needs them there."""
+    fewer per step; a proposer that continues from the verdicts on the device needs them there."""
     device = logits.device
     rows = [row for state, drafts in requests for row in verify_rows(state, drafts)]
     work = processed_logits(logits, rows)
-    num_drafts = [len(drafts) for _, drafts in requests]
+    num_drafts = [drafts if isinstance(drafts, int) else len(drafts) for _, drafts in requests]
+    if draft_ids is None:
+        draft_ids = device_tensor([t for _, drafts in requests for t in drafts], device, torch.long)
     if all(r.params.greedy for r in rows):  # the argmax everywhere: no distribution, no draws
         if not device_verdicts and all(r.params.logprobs is None for r in rows):
             return VerifyResult(work.argmax(dim=-1), None)
-        return _finish(logits, rows, *_verify_greedy(work, requests, num_drafts, device))
+        return _finish(logits, rows, *_verify_greedy(work, draft_ids, num_drafts, device))
     work = work.float()
     greedy = device_tensor([r.params.greedy for r in rows], device, torch.bool)
     probs = sampling_probs(work, rows)
     if any(r.params.greedy for r in rows):
         one_hot = torch.zeros_like(probs).scatter_(1, work.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
-    uniform = _uniforms(requests, device)  # drawn before the noise: a fixed order per generator
+    uniform = _uniforms(requests, num_drafts, device)  # drawn before the noise: a fixed order per generator
     noise = exponential_noise(rows, logits.shape[1], device)  # ones for greedy rows
-    draft_t, bonus_t, draft_ids = _positions(requests, num_drafts, device)
+    draft_t, bonus_t = _positions(num_drafts, device)
     accepted, at_drafts = rejection_sample(probs[draft_t], draft_ids, uniform, noise[draft_t])
     token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
     token_ids[draft_t] = at_drafts
@@ -70,21 +79,20 @@ def verify(logits: torch.Tensor, requests: list[tuple[CachedRequestState, list[i
     return _finish(logits, rows, token_ids, accepted, num_drafts)
 
 
-def _positions(requests, num_drafts: list[int], device: torch.device):
-    """Row indices of the draft positions and of the bonus positions, and the draft tokens."""
+def _positions(num_drafts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices of the draft positions and of the bonus positions."""
     bonus_idx, draft_idx, o = [], [], 0
     for k in num_drafts:
         draft_idx.extend(range(o, o + k))
         bonus_idx.append(o + k)
         o += k + 1
-    return (device_tensor(draft_idx, device, torch.long), device_tensor(bonus_idx, device, torch.long),
-            device_tensor([t for _, drafts in requests for t in drafts], device, torch.long))
+    return device_tensor(draft_idx, device, torch.long), device_tensor(bonus_idx, device, torch.long)
 
 
-def _verify_greedy(work: torch.Tensor, requests, num_drafts: list[int], device: torch.device):
+def _verify_greedy(work: torch.Tensor, draft_ids: torch.Tensor, num_drafts: list[int], device: torch.device):
     """p a point mass on the argmax at every row: a draft is accepted when it is the argmax, and the token at each
     position is the argmax (the draft itself where accepted)."""
-    draft_t, _, draft_ids = _positions(requests, num_drafts, device)
+    draft_t, _ = _positions(num_drafts, device)
     token_ids = work.argmax(dim=-1)
     return token_ids, token_ids[draft_t] == draft_ids, num_drafts
 
@@ -110,11 +118,11 @@ def num_accepted(accepted: torch.Tensor, num_drafts: list[int]) -> torch.Tensor:
     return torch.minimum(leading, device_tensor(np.asarray(num_drafts, dtype=np.int64), accepted.device))  # ...cut
 
 
-def _uniforms(requests: list[tuple[CachedRequestState, list[int]]], device: torch.device) -> torch.Tensor:
+def _uniforms(requests: list[tuple[CachedRequestState, list[int] | int]], num_drafts: list[int],
+              device: torch.device) -> torch.Tensor:
     """u in [0, 1) per draft: a seeded request's from its generator; greedy ones 0.5 (their p(x) is 0 or 1)."""
     parts = []
-    for state, drafts in requests:
-        k = len(drafts)
+    for (state, _), k in zip(requests, num_drafts):
         if state.params.greedy:
             parts.append(torch.full((k,), 0.5, device=device))
         else:
@@ -127,7 +135,7 @@ class VerifiedDrafts:
     """A step's verdicts on their way to the host: per request its id, k, logprobs wanted; the tensors of
     VerifyResult (host copies, read once the step's event passed)."""
     request_ids: list[str]
-    drafts: list[list[int]]
+    drafts: list[list[int] | int]  # the tokens, or their count where only the device has them (verify_rows)
     num_logprobs: list[int | None]
     token_ids: torch.Tensor
     num_accepted: torch.Tensor | None  # None: greedy, counted here (each draft accepted while it is the argmax)
@@ -135,7 +143,7 @@ class VerifiedDrafts:
 
     @property
     def num_drafts(self) -> list[int]:
-        return [len(d) for d in self.drafts]
+        return [d if isinstance(d, int) else len(d) for d in self.drafts]
 
     def into(self, result) -> None:
         """Each request's 1 + accepted tokens (and their logprobs) into a ModelRunnerOutput."""

@@ -4,6 +4,7 @@ tables, sized by capacity. Each step fills a prefix; CUDA graphs capture views o
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -11,6 +12,17 @@ import torch
 from surge.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 from surge.core.scheduler_output import ScheduledRequest
 from surge.worker.request_state import CachedRequestState
+
+
+@dataclass
+class DeviceDrafts:
+    """What a step leaves on the device for its sampling requests' next step when that one is scheduled ahead of
+    the verdict (ScheduledRequest.device_drafts): row rows[request id] of tokens [n, 1 + k] holds the request's
+    newest token and the k drafts proposed after it; rejected [n] the drafts the step rejected (0 for a request
+    that sampled without drafts), by which the next step starts earlier than the host counted."""
+    rows: dict[str, int]
+    tokens: torch.Tensor
+    rejected: torch.Tensor
 
 
 class StepInputs:
@@ -37,7 +49,8 @@ class StepInputs:
 
     def fill(self, scheduled: list[ScheduledRequest], states: list[CachedRequestState],
              last_sampled: torch.Tensor | None = None, last_rows: dict[str, int] | None = None,
-             mixed_padding: Callable[[int, int], tuple[int, int] | None] | None = None
+             mixed_padding: Callable[[int, int], tuple[int, int] | None] | None = None,
+             ahead: DeviceDrafts | None = None, exact_host_lengths: bool = True
              ) -> tuple[int, int, list[int], list[int]]:
         """Copy a step's inputs into the buffers; returns (num_tokens, num_reqs, query_start_loc, seq_lens).
 
@@ -46,7 +59,12 @@ class StepInputs:
         A token still pending (sampled by the step before, not on the host yet) is taken on the device from
         last_sampled[last_rows[request id]]; draft tokens follow the known ones. A mixed step that
         mixed_padding(num_tokens, num_reqs) gives a graph's (padded_tokens, padded_reqs) comes with pad_mixed's
-        layout in the same copies: at batch 1 its five fills were a tenth of a verification step's host time."""
+        layout in the same copies: at batch 1 its five fills were a tenth of a verification step's host time.
+
+        A request scheduled ahead of its verdict takes its 1 + k tokens from ahead.tokens and starts ahead.rejected
+        positions before its num_computed_tokens: its positions, slots and length are corrected on the device,
+        after the copies. The host's lengths are then upper bounds, made exact (reading the device) only when
+        exact_host_lengths: a backend that reads lengths on the host (one that cannot replay CUDA graphs)."""
         block_size = self.block_size
         num_reqs = len(scheduled)
         num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
@@ -56,8 +74,17 @@ class StepInputs:
         np.cumsum(num_new, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         pending_dst, pending_src = [], []  # token index in this step, row of last_sampled
+        ahead_reqs, ahead_rows = [], []  # request index in this step, row of ahead.tokens
         token_list: list[int] = []
         for i, (s, state) in enumerate(zip(scheduled, states)):
+            if s.device_drafts:
+                if ahead is None or s.request_id not in ahead.rows or s.num_new_tokens != 1 + s.device_drafts:
+                    raise RuntimeError(f"request {s.request_id!r} is scheduled ahead of its verdict, but the step "
+                                       "before left no drafts for it on the device")
+                token_list.extend([0] * s.num_new_tokens)
+                ahead_reqs.append(i)
+                ahead_rows.append(ahead.rows[s.request_id])
+                continue
             known = state.token_ids + s.spec_token_ids if s.spec_token_ids else state.token_ids
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             if end <= len(known):
@@ -96,6 +123,16 @@ class StepInputs:
             widths.append(width)
         parts += [(np.asarray(pending_dst, dtype=np.int64), len(pending_dst), 0),
                   (np.asarray(pending_src, dtype=np.int64), len(pending_src), 0)]
+        if ahead_reqs:
+            # Per token of those rows: its index, its request's index, where its value sits in ahead.tokens (flat)
+            # and its request's row there; then per request: its index and its row.
+            width = ahead.tokens.shape[1]
+            reqs, rows = np.asarray(ahead_reqs, dtype=np.int64), np.asarray(ahead_rows, dtype=np.int64)
+            col = np.arange(width, dtype=np.int64)
+            tok_req, tok_row = np.repeat(reqs, width), np.repeat(rows, width)
+            ahead_parts = [(query_start_loc[reqs][:, None] + col).reshape(-1), tok_req,
+                           (rows[:, None] * width + col).reshape(-1), tok_row, reqs, rows]
+            parts += [(a, a.size, 0) for a in ahead_parts]
         size = sum(n for _, n, _ in parts)
         # Two staging buffers, used in turn: with a step in flight, its copy may not have read its buffer yet.
         self._turn ^= 1
@@ -131,8 +168,23 @@ class StepInputs:
         if pending_dst:
             dst, src = take(len(pending_dst)), take(len(pending_src))
             self.input_ids.index_copy_(0, dst, last_sampled.index_select(0, src))
+        seq_lens_host = seq_lens.tolist()
+        if ahead_reqs:
+            m, a = len(ahead_reqs) * ahead.tokens.shape[1], len(ahead_reqs)
+            tok, tok_req, src, tok_row, reqs, rows = take(m), take(m), take(m), take(m), take(a), take(a)
+            self.input_ids.index_copy_(0, tok, ahead.tokens.reshape(-1).index_select(0, src))
+            pos = self.positions.index_select(0, tok) - ahead.rejected.index_select(0, tok_row)
+            self.positions.index_copy_(0, tok, pos)
+            for slots, table in zip(self.slot_mapping, self.block_tables):
+                blocks = table[tok_req, pos // block_size].long()
+                slots.index_copy_(0, tok, blocks * block_size + pos % block_size)
+            rejected = ahead.rejected.index_select(0, rows)
+            self.seq_lens.index_copy_(0, reqs, self.seq_lens.index_select(0, reqs) - rejected.int())
+            if exact_host_lengths:
+                for i, r in zip(ahead_reqs, rejected.tolist()):
+                    seq_lens_host[i] -= r
         self._padding = (num_tokens, num_reqs, *pad) if pad else None
-        return num_tokens, num_reqs, query_start_loc.tolist(), seq_lens.tolist()
+        return num_tokens, num_reqs, query_start_loc.tolist(), seq_lens_host
 
     def pad_decode(self, num_reqs: int, padded: int) -> None:
         """Rows num_reqs..padded of a captured decode graph: one token each, in the null block, context 1.

@@ -46,14 +46,15 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 16, **params) ->
 
 
 def make_scheduler(num_blocks: int = 64, enable_caching: bool = False, hybrid_window: int | None = None,
-                   **config) -> Scheduler:
+                   num_device_drafts: int = 0, **config) -> Scheduler:
     if hybrid_window is None:
         groups = build_kv_cache_groups(("full_attention",), None, BS, 2, 8, torch.float32)
     else:
         groups = build_kv_cache_groups(("sliding_attention", "full_attention"), hybrid_window, BS, 2, 8,
                                        torch.float32)
     config = {"max_num_batched_tokens": 64, "max_num_seqs": 8, "max_model_len": 64, **config}
-    return Scheduler(SchedulerConfig(**config), KVCacheManager(KVCacheConfig(groups, num_blocks), enable_caching))
+    return Scheduler(SchedulerConfig(**config), KVCacheManager(KVCacheConfig(groups, num_blocks), enable_caching),
+                     num_device_drafts=num_device_drafts)
 
 
 def step(sched: Scheduler) -> list[tuple[str, int, int, bool]]:
@@ -333,9 +334,14 @@ class FakeRunner:
     """The model runner's side, fed only by the step messages: its copy of each request's tokens and per-group block
     tables, and the device's history of each request (those tokens plus the ones it sampled itself, ahead of the
     host while a step is in flight). A step runs at launch, as on a device: it writes the KV of the scheduled
-    positions (the history, then the drafts), checks what they read, and verifies the drafts against the model."""
+    positions (the history, then the drafts), checks what they read, and verifies the drafts against the model.
+    A step scheduled ahead of its verdict (device drafts) starts where the device's history ends, which must be
+    where the host counted less the drafts the step before rejected; its drafts follow the model with
+    probability 0.7, as the host proposer's."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Scheduler, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random(0)
+        self.rejected: dict[str, int] = {}  # request id -> drafts its last verifying step rejected
         self.kv_store = FakeKVStore(sched)
         self.num_groups = len(self.kv_store.specs)
         self.tokens: dict[str, list[int]] = {}
@@ -363,28 +369,43 @@ class FakeRunner:
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         """Returns, per sampling request, the accepted drafts plus one bonus (or correcting) token."""
-        sequences = {s.request_id: self.device[s.request_id] + s.spec_token_ids for s in out.scheduled}
+        drafts, starts = {}, {}
         for s in out.scheduled:
-            positions = range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)
+            rid, history = s.request_id, self.device[s.request_id]
+            drafts[rid], starts[rid] = s.spec_token_ids, s.num_computed_tokens
+            if s.device_drafts:
+                starts[rid] = len(history) - 1  # the newest token, sampled by the step before, is computed first
+                assert s.num_new_tokens == 1 + s.device_drafts
+                assert s.num_computed_tokens - starts[rid] == self.rejected.get(rid, 0), rid
+                drafts[rid] = []
+                for _ in range(s.device_drafts):
+                    drafts[rid].append(next_token(history + drafts[rid]) if self.rng.random() < 0.7
+                                       else self.rng.randrange(V))
+        sequences = {rid: self.device[rid] + d for rid, d in drafts.items()}
+        for s in out.scheduled:
+            positions = range(starts[s.request_id], starts[s.request_id] + s.num_new_tokens)
             for g in range(self.num_groups):
                 self.kv_store.write(g, self.tables[s.request_id][g], positions, sequences[s.request_id])
         sampled = {}
         for s in out.scheduled:
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            start = starts[s.request_id]
+            end = start + s.num_new_tokens
             for g in range(self.num_groups):
                 self.kv_store.check_reads(g, self.tables[s.request_id][g], start, end, sequences[s.request_id])
             if not s.samples:
                 continue
             history, accepted = self.device[s.request_id], []
-            for draft in s.spec_token_ids:
+            for draft in drafts[s.request_id]:
                 if draft != next_token(history + accepted):
                     break
                 accepted.append(draft)
             sampled[s.request_id] = accepted + [next_token(history + accepted)]
             history.extend(sampled[s.request_id])
-            self.stats["drafts"] += len(s.spec_token_ids)
+            self.rejected[s.request_id] = len(drafts[s.request_id]) - len(accepted)
+            self.stats["drafts"] += len(drafts[s.request_id])
+            self.stats["device_drafts"] += s.device_drafts
             self.stats["accepted"] += len(accepted)
-            self.stats["rollbacks"] += len(accepted) < len(s.spec_token_ids)
+            self.stats["rollbacks"] += len(accepted) < len(drafts[s.request_id])
         return sampled
 
 
@@ -408,23 +429,31 @@ def check_step(sched: Scheduler, out: SchedulerOutput, runner: FakeRunner, compu
         req, end = sched.requests[rid], start + s.num_new_tokens
         assert runner.tokens[rid] == req.token_ids
         assert runner.tables[rid] == list(sched.kv.get_block_ids(rid))
-        # The device is ahead of the host by the token of each of the request's steps still in flight.
+        # The device is ahead of the host by the token(s) of the request's step still in flight: one, or with
+        # drafts 1 + those accepted (and a step scheduled ahead of that verdict starts where it really ended).
         device = runner.device[rid]
-        assert len(device) - req.num_tokens == req.num_pending_tokens - s.samples
-        # The request's tokens as the device sees them: its history, then the drafts to verify.
-        num_tokens = len(device) + len(s.spec_token_ids)
-        assert s.num_new_tokens >= 1 and end <= num_tokens
-        assert s.samples == (end == num_tokens)
-        assert not s.spec_token_ids or s.samples
+        if s.device_drafts:
+            assert req.num_pending_tokens == 2 and 1 <= len(device) - req.num_tokens <= 1 + req.num_spec_in_flight
+            true_start = len(device) - 1
+            assert true_start <= start and end + 1 <= config.max_model_len  # even with every draft accepted
+        else:
+            assert len(device) - req.num_tokens == req.num_pending_tokens - s.samples
+            true_start = start
+            # The request's tokens as the device sees them: its history, then the drafts to verify.
+            num_tokens = len(device) + len(s.spec_token_ids)
+            assert s.num_new_tokens >= 1 and end <= num_tokens
+            assert s.samples == (end == num_tokens)
+            assert not s.spec_token_ids or s.samples
         assert end < config.max_model_len  # the token at max_model_len - 1 is sampled, never computed
         if start != computed[rid]:  # only a fresh admission may skip tokens, through a prefix hit
             assert computed[rid] == 0 and sched.kv.enable_caching and start % BS == 0, (rid, start, computed[rid])
         for g, spec in enumerate(runner.kv_store.specs):
             table = runner.tables[rid][g]
             assert len(table) >= cdiv(end, BS)
-            if isinstance(spec, SlidingWindowSpec):  # blocks wholly before the window were handed back
-                first_needed = max(0, start - spec.sliding_window + 1) // BS
-                assert all(b == 0 for b in table[:first_needed])
+            if isinstance(spec, SlidingWindowSpec):
+                first_needed = max(0, true_start - spec.sliding_window + 1) // BS
+                if not s.device_drafts:  # blocks wholly before the window were handed back
+                    assert all(b == 0 for b in table[:first_needed])
                 assert all(b != 0 for b in table[first_needed:cdiv(end, BS)])
         computed[rid] = end
 
@@ -448,8 +477,8 @@ def check_step(sched: Scheduler, out: SchedulerOutput, runner: FakeRunner, compu
 def apply_result(sched: Scheduler, out: SchedulerOutput, sampled: dict[str, list[int]], computed: dict[str, int],
                  stats: Counter[str]) -> None:
     """update_from_output, checked: the tokens appended, and the rollback of rejected drafts with their blocks."""
-    rejected = {s.request_id: len(s.spec_token_ids) - (len(sampled[s.request_id]) - 1)
-                for s in out.scheduled if s.request_id in sampled and s.spec_token_ids}
+    rejected = {s.request_id: s.num_drafts - (len(sampled[s.request_id]) - 1)
+                for s in out.scheduled if s.request_id in sampled and s.num_drafts}
     blocks_before = {rid: sum(map(len, sched.kv.get_block_ids(rid))) for rid in rejected}
     for req, appended in sched.update_from_output(out, sampled):
         tokens = sampled[req.request_id]
@@ -458,8 +487,9 @@ def apply_result(sched: Scheduler, out: SchedulerOutput, sampled: dict[str, list
         rid = s.request_id
         if not rejected.get(rid):
             continue
-        # The next step resumes after the accepted drafts (from 0 when preempted meanwhile).
-        computed[rid] = min(computed[rid], s.num_computed_tokens + s.num_new_tokens - rejected[rid])
+        # The next step resumes after the accepted drafts (from 0 when preempted meanwhile); a step scheduled
+        # ahead of this verdict moves back with it.
+        computed[rid] = computed[rid] - rejected[rid] if computed[rid] else 0
         req = sched.requests.get(rid)
         if req is not None and req.status == RequestStatus.RUNNING:
             assert req.num_computed_tokens == computed[rid]
@@ -479,9 +509,12 @@ def propose_drafts(sched: Scheduler, rng: random.Random, rate: float) -> None:
 
 
 def run_workload(seed: int, enable_caching: bool, hybrid: bool, enable_chunked_prefill: bool,
-                 async_scheduling: bool | str = False, speculate: bool = False) -> Counter[str]:
+                 async_scheduling: bool | str = False, speculate: bool = False,
+                 num_device_drafts: int = 0) -> Counter[str]:
     """async_scheduling: False, True (EngineCore's rule), or "eager": also overlap half the steps where a request
-    waits with drafts, so that a step carrying drafts is in flight while the next is scheduled."""
+    waits with drafts, so that a step carrying drafts is in flight while the next is scheduled.
+    num_device_drafts: k drafts the runner proposes after every sampling step (the device n-gram lookup), so a
+    request is scheduled again while its verdict is in flight."""
     rng = random.Random(seed)
     max_model_len = 48
     window = rng.choice([2, 5, 8, 13]) if hybrid else None
@@ -489,7 +522,8 @@ def run_workload(seed: int, enable_caching: bool, hybrid: bool, enable_chunked_p
     num_blocks = 1 + cdiv(max_model_len, BS) + rng.randint(0, 10)  # any single request always fits
     sched = make_scheduler(num_blocks=num_blocks, enable_caching=enable_caching, hybrid_window=window,
                            max_num_batched_tokens=budget, max_num_seqs=rng.randint(1, 6),
-                           max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill)
+                           max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
+                           num_device_drafts=num_device_drafts)
     prefixes = [[rng.randrange(V) for _ in range(rng.randint(1, 20))] for _ in range(3)]
     pending, expected = [], {}
     for i in range(14):
@@ -500,7 +534,7 @@ def run_workload(seed: int, enable_caching: bool, hybrid: bool, enable_chunked_p
         pending.append((rng.randint(0, 30), make_request(rid, prompt, max_tokens)))
         expected[rid] = reference_output(prompt, max_tokens, max_model_len)
     draft_rate = rng.choice([0.1, 0.3, 0.7]) if speculate else 0.0
-    runner, computed, stats = FakeRunner(sched), {}, Counter()
+    runner, computed, stats = FakeRunner(sched, random.Random(seed + 1000)), {}, Counter()
     all_requests, aborted = {}, set()
     # As EngineCore.step: with async scheduling (and no request needing the last step's tokens), step N+1 is
     # scheduled and launched before step N's result is applied; the device computes each step at launch.
@@ -538,7 +572,7 @@ def run_workload(seed: int, enable_caching: bool, hybrid: bool, enable_chunked_p
             continue
         if in_flight is not None:
             stats["overlapped"] += 1
-            stats["overlapped_drafts"] += any(s.spec_token_ids for s in in_flight[0].scheduled)
+            stats["overlapped_drafts"] += any(s.num_drafts for s in in_flight[0].scheduled)
             apply_result(sched, *in_flight, computed, stats)
         in_flight = (out, sampled)
     else:
@@ -585,3 +619,21 @@ def test_random_draft_tokens_roll_back_to_the_sequential_model(enable_caching: b
     assert (totals["overlapped"] > 0) == bool(async_scheduling)
     # EngineCore's rule runs a step carrying drafts synchronously; "eager" puts one in flight under the next.
     assert (totals["overlapped_drafts"] > 0) == (async_scheduling == "eager")
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("enable_caching", [True, False], ids=["caching", "no-caching"])
+@pytest.mark.parametrize("hybrid", [False, True], ids=["full", "hybrid"])
+def test_device_drafts_scheduled_ahead_of_their_verdict_match_the_sequential_model(enable_caching: bool,
+                                                                                  hybrid: bool, k: int) -> None:
+    """Async scheduling with drafts the runner proposes on the device: a request is scheduled for 1 + k more tokens
+    while its verdict is in flight, counted as if every draft were accepted; the fake runner starts it where the
+    device's history really ends (checked against the host's count less the rejected drafts) and the rollback books
+    the difference. Host drafts still come for requests that waited (FakeRunner and the sequential model check)."""
+    totals: Counter[str] = Counter()
+    for seed in range(24):
+        totals += run_workload(seed, enable_caching, hybrid, enable_chunked_prefill=seed % 4 != 3,
+                               async_scheduling=True, speculate=True, num_device_drafts=k)
+    assert totals["device_drafts"] > 0 and totals["accepted"] > 0 and totals["rollbacks"] > 0
+    assert totals["trimmed_blocks"] > 0 and totals["preemptions"] > 0 and totals["overlapped_drafts"] > 0
+    assert (totals["prefix_hits"] > 0) == enable_caching

@@ -25,10 +25,12 @@ def plain(model_dir):
     return LLM(model_dir, **BASE)
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+@pytest.fixture(scope="module", params=["ngram", "ngram-async", "draft_model"])
 def engines(request, model_dir, plain):
-    spec = SPEC if request.param == "ngram" else {**SPEC, "method": "draft_model", "model": str(model_dir)}
-    return plain, LLM(model_dir, speculative_config=spec, **BASE), request.param
+    """ngram-async: drafts looked up on the device, steps launched ahead of the verdict before them."""
+    spec = SPEC if request.param.startswith("ngram") else {**SPEC, "method": "draft_model", "model": str(model_dir)}
+    extra = {"async_scheduling": True} if request.param == "ngram-async" else {}
+    return plain, LLM(model_dir, speculative_config=spec, **BASE, **extra), request.param
 
 
 def _run(llm: LLM, params: SamplingParams, prompts=None):

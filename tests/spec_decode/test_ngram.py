@@ -9,7 +9,7 @@ import torch
 
 from surge import LLM, SamplingParams
 from surge.config import SpeculativeConfig
-from surge.spec_decode.ngram import NgramProposer
+from surge.spec_decode.ngram import DeviceNgram, NgramProposer
 from tiny_models import make_tiny_model
 
 
@@ -33,9 +33,49 @@ def test_proposer_matches_a_plain_scan():
         assert got == reference_propose(tokens, k, lo, hi), (tokens, k, lo, hi)
 
 
+def test_device_lookup_matches_a_plain_scan_through_appends():
+    """The device twin over a batch of rows of different lengths, grown by appends as verdicts grow them (w tokens
+    written, fewer kept), gives the plain scan's drafts in its valid columns and the row's last token after them."""
+    rng = random.Random(1)
+    for lo, hi, k in [(1, 4, 4), (2, 3, 1), (1, 1, 5), (3, 5, 3)]:
+        ngram = DeviceNgram(SpeculativeConfig("ngram", k, prompt_lookup_min=lo, prompt_lookup_max=hi), 64,
+                            torch.device("cpu"))
+        seqs = {f"r{i}": [rng.randrange(3) for _ in range(rng.randint(1, 12))] for i in range(11)}  # grows twice
+        for rid, tokens in seqs.items():
+            ngram.add(rid, torch.tensor(tokens))
+        ngram.remove(["r3"])
+        del seqs["r3"]
+        for _ in range(6):
+            rids = list(seqs)
+            rows = torch.tensor([ngram.row_of[r] for r in rids])
+            drafts, valid = ngram.propose(rows, max(len(t) for t in seqs.values()))
+            for i, rid in enumerate(rids):
+                want = reference_propose(seqs[rid], k, lo, hi)
+                assert drafts[i, :valid[i]].tolist() == want, (seqs[rid], lo, hi, k)
+                assert drafts[i, valid[i]:].tolist() == [seqs[rid][-1]] * (k - int(valid[i]))
+            new = torch.tensor([[rng.randrange(3) for _ in range(k + 1)] for _ in rids])
+            counts = torch.tensor([rng.randint(1, k + 1) for _ in rids])
+            ngram.append(rows, new, counts)
+            for i, rid in enumerate(rids):
+                seqs[rid] += new[i, :counts[i]].tolist()
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3-hybrid"])
 def model_dir(request, tmp_path_factory):
     return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def count_ahead(llm: LLM) -> list[int]:
+    """Counts, in its one element, the request steps the engine schedules ahead of their verdict (device drafts)."""
+    count, inner = [0], llm.engine.scheduler.schedule
+
+    def schedule():
+        out = inner()
+        count[0] += sum(1 for s in out.scheduled if s.device_drafts)
+        return out
+
+    llm.engine.scheduler.schedule = schedule
+    return count
 
 
 def _prompts() -> list[list[int]]:
@@ -50,13 +90,18 @@ def _prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("engine", [dict(kv_cache_memory=1 << 22),
-                                    dict(num_gpu_blocks_override=40, max_num_batched_tokens=16)],
+                                    dict(num_gpu_blocks_override=34, max_num_batched_tokens=16)],
                          ids=["plain", "preempted-chunked"])
-def test_greedy_identical_with_and_without_speculation(model_dir, k, engine):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_identical_with_and_without_speculation(model_dir, k, engine, async_scheduling):
+    """Under async scheduling the drafts are looked up on the device and most steps are launched before the verdict
+    of the one before is back: they start where it ended, not where the host counted (every draft accepted)."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     base = dict(block_size=4, max_model_len=128, device="cpu", **engine)
     ref = LLM(model_dir, **base).generate(_prompts(), params, use_tqdm=False)
-    llm = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **base)
+    llm = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": k},
+              async_scheduling=async_scheduling, **base)
+    ahead = count_ahead(llm)
     accepted = []
     inner = llm.engine.scheduler.update_from_output
 
@@ -71,13 +116,17 @@ def test_greedy_identical_with_and_without_speculation(model_dir, k, engine):
     assert llm.engine.kv_cache_manager.usage == 0.0
     if "num_gpu_blocks_override" in engine:
         assert llm.engine.scheduler.num_preemptions > 0
+    assert (ahead[0] > 0) == async_scheduling
 
 
-@pytest.mark.parametrize("extra", [dict(async_scheduling=True), dict(tensor_parallel_size=2)], ids=["async", "tp2"])
+@pytest.mark.parametrize("extra", [dict(async_scheduling=True), dict(tensor_parallel_size=2),
+                                   dict(tensor_parallel_size=2, async_scheduling=True)],
+                         ids=["async", "tp2", "tp2-async"])
 def test_greedy_identical_under_async_scheduling_and_tensor_parallelism(tmp_path, extra):
-    """Drafts make the engine step synchronously while they exist; requests without them still overlap. Under TP the
-    ranks run the verification step like any other; rank 0 verifies. A seeded sampled request beside the greedy one
-    repeats itself run after run (its draws come from its own generator)."""
+    """Under async scheduling the drafts are looked up on the device and a request's next step is launched before
+    its verdict is back. Under TP the ranks run the verification step like any other; rank 0 verifies, and with
+    device drafts the others learn its verdicts by broadcast. A seeded sampled request beside the greedy one repeats
+    itself run after run (its draws come from its own generator)."""
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True)]
@@ -85,23 +134,30 @@ def test_greedy_identical_under_async_scheduling_and_tensor_parallelism(tmp_path
     prompts = _prompts()[:2]
     ref = LLM(model_dir, **base).generate(prompts, params, use_tqdm=False)
     llm = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **base, **extra)
+    ahead = count_ahead(llm)
     try:
         outs = [llm.generate(prompts, params, use_tqdm=False) for _ in range(2)]
     finally:
         llm.engine.shutdown()
     assert outs[0][0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert outs[0][1].outputs[0].token_ids == outs[1][1].outputs[0].token_ids
+    assert (ahead[0] > 0) == bool(extra.get("async_scheduling"))
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
 
 
-def test_greedy_identical_through_prefix_cache_hits(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_identical_through_prefix_cache_hits(tmp_path, async_scheduling):
     """A second round whose prompts extend the first round's starts from cached blocks (both KV groups of the hybrid
-    model); drafts are verified over them as over computed ones."""
+    model); drafts are verified over them as over computed ones, and blocks a step ahead of its verdict filled are
+    cached only once their tokens are known."""
     model_dir = make_tiny_model("qwen3-hybrid", tmp_path / "hybrid")
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     base = {"block_size": 4, "max_model_len": 128, "device": "cpu", "kv_cache_memory": 1 << 22}
     again = [p + p[:5] for p in _prompts()]
     ref = LLM(model_dir, enable_prefix_caching=False, **base).generate(again, params, use_tqdm=False)
-    llm = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **base)
+    llm = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              async_scheduling=async_scheduling, **base)
+    ahead = count_ahead(llm)
     llm.generate(_prompts(), params, use_tqdm=False)
     stats = llm.engine.scheduler.spec_stats
     before, hits = stats.num_accepted_tokens, llm.engine.kv_cache_manager.prefix_hits
@@ -109,3 +165,4 @@ def test_greedy_identical_through_prefix_cache_hits(tmp_path):
     assert llm.engine.kv_cache_manager.prefix_hits > hits
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert stats.num_accepted_tokens > before
+    assert (ahead[0] > 0) == async_scheduling

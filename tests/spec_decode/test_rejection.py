@@ -168,3 +168,19 @@ def test_greedy_verdicts_counted_on_the_host_equal_the_device_ones():
             results.append(result.sampled)
         assert results[0] == results[1], trial
         assert [len(t) - 1 for t in results[1].values()] == device.num_accepted.tolist()
+
+
+def test_drafts_given_on_the_device_verify_as_the_host_lists_do():
+    """A request scheduled ahead of its verdict has its drafts on the device only: given as a count with the tokens
+    in draft_ids, its verdict (greedy or seeded sampling) is the one the host lists give."""
+    g = torch.Generator().manual_seed(3)
+    drafts = [[3, 4], [5], [6, 7, 8, 9]]
+    logits = torch.randn(sum(len(d) + 1 for d in drafts), 16, generator=g)
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=5)):
+        def run(device_side: bool):
+            requests = [(_State(params, generator=torch.Generator().manual_seed(5) if params.seed else None),
+                         len(d) if device_side else d) for d in drafts]
+            ids = torch.tensor([t for d in drafts for t in d]) if device_side else None
+            return verify(logits, requests, draft_ids=ids)
+        lists, counts = run(False), run(True)
+        assert torch.equal(lists.token_ids, counts.token_ids) and torch.equal(lists.num_accepted, counts.num_accepted)

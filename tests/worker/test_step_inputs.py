@@ -1,5 +1,6 @@
 """StepInputs: a mixed step whose graph padding comes with fill's own copies holds exactly what fill followed by
-pad_mixed's fills leaves, and pad_mixed writes again only when the buffers may hold something else."""
+pad_mixed's fills leaves, pad_mixed writes again only when the buffers may hold something else, and rows scheduled
+ahead of their verdict end up where an exact host schedule would have put them."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from surge.core.scheduler_output import ScheduledRequest
-from surge.worker.step_inputs import StepInputs
+from surge.worker.step_inputs import DeviceDrafts, StepInputs
 
 BLOCK = 4
 
@@ -76,3 +77,31 @@ def test_decode_steps_are_never_padded_as_mixed():
         raise AssertionError("a decode step asked for mixed padding")
     assert inp.fill(scheduled, states, mixed_padding=padding)[:2] == (1, 1)
     assert inp.slot_mapping[0][0] == 22
+
+
+def test_rows_scheduled_ahead_take_the_device_tokens_and_start_where_the_verdict_ended():
+    """Request a: its verdict accepted 1 of 3 drafts (2 rejected), so the host's count (every draft accepted) is 2
+    positions too far; c accepted everything. Each takes its newest token and k = 2 drafts from DeviceDrafts, and
+    the buffers equal a fill of the same rows scheduled exactly, tokens known (b, a prefill chunk, between them).
+    The host's lengths come back exact when asked, as upper bounds otherwise."""
+    k = 2
+    a_known, c_known = [11, 12, 13, 14, 15, 16], [31, 32, 33]  # the device's history, the newest token last
+    ahead = DeviceDrafts({"c": 0, "a": 1}, torch.tensor([[33, 40, 41], [16, 50, 51]]), torch.tensor([0, 2]))
+    states = [SimpleNamespace(request_id="a", token_ids=a_known[:4], block_ids=[[5, 2, 7]]),
+              SimpleNamespace(request_id="b", token_ids=[21, 22, 23, 24], block_ids=[[9]]),
+              SimpleNamespace(request_id="c", token_ids=c_known[:2], block_ids=[[3]])]
+    scheduled = [ScheduledRequest("a", 7, 1 + k, True, device_drafts=k), ScheduledRequest("b", 0, 3, False),
+                 ScheduledRequest("c", 2, 1 + k, True, device_drafts=k)]
+    exact_states = [SimpleNamespace(request_id="a", token_ids=a_known, block_ids=[[5, 2, 7]]), states[1],
+                    SimpleNamespace(request_id="c", token_ids=c_known, block_ids=[[3]])]
+    exact = [ScheduledRequest("a", 5, 1 + k, True, spec_token_ids=[50, 51]), scheduled[1],
+             ScheduledRequest("c", 2, 1 + k, True, spec_token_ids=[40, 41])]
+    got, want, bound = (StepInputs(32, 8, 4, 1, BLOCK, torch.device("cpu")) for _ in range(3))
+    assert got.fill(scheduled, states, ahead=ahead) == want.fill(exact, exact_states)
+    for g, w in zip(_buffers(got), _buffers(want)):
+        assert torch.equal(g, w)
+    assert got.input_ids[:9].tolist() == [16, 50, 51, 21, 22, 23, 33, 40, 41]
+    assert got.positions[:3].tolist() == [5, 6, 7] and got.slot_mapping[0][:3].tolist() == [9, 10, 11]
+    assert bound.fill(scheduled, states, ahead=ahead, exact_host_lengths=False)[3] == [10, 3, 5]
+    for g, w in zip(_buffers(bound), _buffers(want)):  # the device's copies are exact either way
+        assert torch.equal(g, w)

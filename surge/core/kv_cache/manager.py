@@ -181,14 +181,15 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        hit: list[list[Block]] | None = None, num_hit_tokens: int = 0,
-                       num_unready_tokens: int = 0) -> bool:
+                       num_unready_tokens: int = 0, num_uncertain_tokens: int = 0) -> bool:
         """Make room for num_new_tokens more tokens after the computed (and hit) ones; all groups or none. The last
         num_unready_tokens of them (an asynchronous load in flight) are not offered to the prefix cache yet:
-        `cache_blocks` does it once they hold their KV."""
+        `cache_blocks` does it once they hold their KV. The last num_uncertain_tokens computed ones are drafts whose
+        verdict is in flight: the step may start that much earlier, so sliding windows keep blocks for it."""
         num_computed = request.num_computed_tokens + num_hit_tokens
         hit = hit or [[] for _ in self.managers]
         for m in self.managers:
-            m.remove_skipped_blocks(request.request_id, num_computed)
+            m.remove_skipped_blocks(request.request_id, num_computed - num_uncertain_tokens)
         total = num_computed + num_new_tokens
         for m, h in zip(self.managers, hit):
             if m.num_blocks_to_allocate(request.request_id, total, h) > m.pool.num_free_blocks:
