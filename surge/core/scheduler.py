@@ -184,12 +184,14 @@ class Scheduler:
     def _num_ahead_drafts(self, req: Request) -> int:
         """k for a request whose sampling step is in flight when it can be scheduled ahead of it, verifying the k
         drafts the runner proposes on the device after that step; 0 when it must wait for the host (its sampling
-        reads earlier tokens: penalties, an unmet min_tokens, a grammar; or the step in flight may end it by
-        length), or when k more drafts could pass max_model_len."""
+        reads earlier tokens: penalties, a grammar, an unmet min_tokens holding back a stop token; or the step in
+        flight may end it by length), or when k more drafts could pass max_model_len."""
         k, p = self.num_device_drafts, req.params
         if not k or req.num_pending_tokens != 1:
             return 0
-        if p.uses_penalties or p.structured_outputs is not None or req.num_output_tokens < p.min_tokens:
+        if p.uses_penalties or p.structured_outputs is not None:
+            return 0
+        if req.num_output_tokens < p.min_tokens and p.all_stop_token_ids:  # its mask counts outputs the host lacks
             return 0
         most = req.num_output_tokens + 1 + req.num_spec_in_flight  # outputs once the step in flight is in
         if p.max_tokens is not None and most >= p.max_tokens:
