@@ -78,8 +78,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_ahead = self._num_ahead_drafts(req)
-            if num_ahead and num_ahead + 1 > budget:
-                num_ahead = -1  # not this step: the tokens it would verify do not fit
+            if num_ahead and num_ahead + 1 > budget:  # the tokens it would verify do not fit: decode its one
+                num_ahead = -1 if req.num_spec_in_flight else 0  # pending token, or wait for the verdict
             if num_ahead < 0 or (req.num_pending_tokens and not num_ahead
                                  and (self._ends_with_pending(req) or req.num_spec_in_flight)):
                 # Its last token is on its way and ends it, or drafts in flight decide where it resumes.
