@@ -133,7 +133,7 @@ def _draft_counts(engine: EngineCore) -> Counter | None:
 
 def _draft_line(c: Counter) -> str:
     """Per step of the draft: its forward over the step's tokens and its k decode passes, by graph or eager, and
-    the host's waits for the device (one expected: the verdict)."""
+    the host's waits for the device (none on a GPU; on the CPU, a read of where the proposals start)."""
     n = max(c["steps"], 1)
     return (f"draft model per step ({c['steps']} steps): step forward {c['step graph'] / n:.2f} graph + "
             f"{c['step eager'] / n:.2f} eager, decode passes {c['pass graph'] / n:.2f} graph + "

@@ -83,12 +83,14 @@ class EngineCore:
         sc = config.speculative_config
         self.async_scheduling = config.scheduler_config.async_scheduling
         # n-gram drafts: under async scheduling the runner looks them up on the device after every sampling step
-        # (a request's next step is then launched before its verdict is back); else here, after the verdict.
+        # (a request's next step is then launched before its verdict is back); else here, after the verdict. A
+        # draft model's are on the device either way: under async scheduling its steps are launched ahead too.
         device_ngram = sc is not None and sc.method == "ngram" and self.async_scheduling
+        device_drafts = sc is not None and self.async_scheduling
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
                                    num_lookahead_tokens=sc.num_speculative_tokens
                                    if sc is not None and sc.method == "draft_model" else 0,
-                                   num_device_drafts=sc.num_speculative_tokens if device_ngram else 0)
+                                   num_device_drafts=sc.num_speculative_tokens if device_drafts else 0)
         # Host n-gram drafts are looked up here; a draft model's, and device ones, come with each step's output.
         self.proposer = NgramProposer(sc) if sc is not None and sc.method == "ngram" and not device_ngram else None
         self.speculates = sc is not None

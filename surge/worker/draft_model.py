@@ -8,8 +8,11 @@ writes land in lookahead slots the scheduler reserved past the step's end, and t
 Greedy drafting makes q a point mass on each draft, which the rejection rule takes as it takes n-gram drafts.
 
 On the GPU every draft forward replays a CUDA graph: the step's (over the runner's buffers, the target's padding
-rule) and each decode pass (over the draft's own); the host waits for the device once per step, for the verdict.
-`counts` says how each forward ran and how often the host waited (bench latency prints them per step).
+rule) and each decode pass (over the draft's own). Where each request's proposals start depends on the verdict, so
+the positions and slots are corrected on the device: the host never waits for it (a backend that reads lengths on
+the host, the CPU's, reads the correction), and under async scheduling the next step verifies the drafts before
+the host has seen them. `counts` says how each forward ran and how often the host waited (bench latency prints
+them per step).
 """
 from __future__ import annotations
 
@@ -127,11 +130,12 @@ class DraftModel:
         self.model(inputs.input_ids[:num_tokens], inputs.positions[:num_tokens], meta)
 
     @torch.inference_mode()
-    def propose(self, first_tokens: torch.Tensor, positions: list[int], block_ids: list[list[list[int]]]
-                ) -> torch.Tensor:
+    def propose(self, first_tokens: torch.Tensor, positions: list[int], block_ids: list[list[list[int]]],
+                behind: torch.Tensor | None = None) -> torch.Tensor:
         """k greedy tokens [n, k] per request from its new last token (first_tokens [n], on every rank) at
-        positions[i], its block table per group block_ids[i]. A position past the request's blocks (the end of
-        max_model_len) writes to the null block; its drafts are cut off by the engine anyway."""
+        positions[i] - behind[i] (behind: on the device, None: 0), its block table per group block_ids[i]. A
+        position past the request's blocks (the end of max_model_len) writes to the null block; its drafts are cut
+        off by the engine anyway."""
         inp, bs = self.inputs, self.config.cache_config.block_size
         n, k = len(positions), self.k
         pos = np.asarray(positions, dtype=np.int64)[None, :] + np.arange(k, dtype=np.int64)[:, None]  # [k, n]
@@ -142,20 +146,23 @@ class DraftModel:
             table = np.zeros((n, width), dtype=np.int64)
             for i, r in enumerate(rows):
                 table[i, :len(r)] = r
-            col = pos // bs
-            inside = col < np.asarray([len(r) for r in rows])[None, :]
-            block = np.where(inside, table[np.arange(n)[None, :], np.minimum(col, width - 1)], 0)
-            parts += [(block * bs + pos % bs).reshape(-1), table.reshape(-1)]  # slots [k, n], the table [n, width]
+            parts += [table.reshape(-1), np.asarray([len(r) for r in rows], dtype=np.int64)]
             widths.append(width)
         dev = device_tensor(np.concatenate(parts), self.device)  # one copy, queued: the host does not wait for it
         pos_dev, o = dev[:k * n].view(k, n), k * n
-        slot_dev = []
+        if behind is not None:
+            pos_dev = pos_dev - behind[None, :]
+            if not self.backend.supports_cuda_graphs:  # it reads the lengths on the host: the exact ones
+                self.counts["host waits"] += 1
+                pos = pos - np.asarray(behind.tolist(), dtype=np.int64)[None, :]
+        slot_dev, col = [], pos_dev // bs
         for g, width in enumerate(widths):
-            slot_dev.append(dev[o:o + k * n].view(k, n))
-            o += k * n
+            table, o = dev[o:o + n * width].view(n, width), o + n * width
+            lengths, o = dev[o:o + n], o + n
+            block = table[torch.arange(n, device=self.device)[None, :], col.clamp_max(width - 1)]
+            slot_dev.append(torch.where(col < lengths[None, :], block, 0) * bs + pos_dev % bs)  # [k, n]
             inp.block_tables[g][:n].zero_()
-            inp.block_tables[g][:n, :width].copy_(dev[o:o + n * width].view(n, width))
-            o += n * width
+            inp.block_tables[g][:n, :width].copy_(table)
         inp.query_start_loc[:n + 1].copy_(torch.arange(n + 1, device=self.device))
         inp.input_ids[:n].copy_(first_tokens)
         drafts = torch.empty(n, k, dtype=torch.int64, device=self.device)
@@ -165,7 +172,7 @@ class DraftModel:
             inp.seq_lens[:n].copy_(pos_dev[j] + 1)
             for g, slots in enumerate(slot_dev):
                 inp.slot_mapping[g][:n].copy_(slots[j])
-            seq_lens = (pos[j] + 1).tolist()
+            seq_lens = (pos[j] + 1).tolist()  # exact, or upper bounds (the kernels read the device's)
             meta = inp.metadata(self.backend, n, n, list(range(n + 1)), seq_lens, 1, max(seq_lens))
             if graphs is not None and graphs.padded_size(n):
                 self.counts["pass graph"] += 1
@@ -182,35 +189,47 @@ class DraftModel:
         return drafts
 
     def propose_after(self, batch, last_sampled: torch.Tensor | None, last_rows: dict[str, int],
-                      verified) -> tuple[list[str], torch.Tensor] | None:
-        """Proposals for every request that sampled this step (request ids, drafts [n, k]), from its new last
-        token: the sampler's, or for a request with drafts the token after its accepted ones (rank 0 decided;
-        the others learn it, and how many were accepted, by one broadcast)."""
+                      verified, ahead=None):
+        """Proposals for every request that sampled this step, from its new last token: the sampler's, or for a
+        request with drafts the token after its accepted ones (rank 0 decided; the others learn it, and how many
+        were accepted, by one broadcast). Returns None, or (request ids, drafts [n, k], the new last tokens [n],
+        the drafts each rejected [n]), the last three on the device: what a step scheduled ahead of this one's
+        verdict starts from (StepInputs.DeviceDrafts; ahead: the one this step started from)."""
         rows = [(s, state) for s, state in zip(batch.scheduled, batch.states) if s.samples]
         if not rows:
             return None
-        spec_row: dict[str, int] = {}
+        n = len(rows)
+        rejected = torch.zeros(n, dtype=torch.int64, device=self.device)
+        first = [None] * n
         if verified is not None:
             ids, num_drafts, out = verified
-            spec_row = {rid: j for j, rid in enumerate(ids)}
             buf = torch.zeros(2, len(ids), dtype=torch.int64, device=self.device)
             if out is not None:
                 starts = np.cumsum([0] + [k + 1 for k in num_drafts[:-1]], dtype=np.int64)  # each request's rows
                 buf[0] = out.token_ids[device_tensor(starts, self.device) + out.num_accepted]
                 buf[1] = out.num_accepted
             buf = self.tp.broadcast(buf)
-            self.counts["host waits"] += 1
-            accepted = buf[1].tolist()  # the step's one wait, for the verdict: the positions below depend on it
-        first, positions = [], []
-        for s, _ in rows:
-            end = s.num_computed_tokens + s.num_new_tokens  # the sampled token's position for a plain row
-            j = spec_row.get(s.request_id)
-            if j is None:
-                first.append(last_sampled[last_rows[s.request_id]])
-                positions.append(end)
-            else:
-                first.append(buf[0, j])
-                positions.append(end - len(s.spec_token_ids) + accepted[j])
+            at = {s.request_id: i for i, (s, _) in enumerate(rows)}
+            where = [at[rid] for rid in ids]
+            rejected.index_copy_(0, device_tensor(where, self.device, torch.long),
+                                 device_tensor(np.asarray(num_drafts, dtype=np.int64), self.device) - buf[1])
+            for j, i in enumerate(where):
+                first[i] = buf[0, j]
+        # Where each proposal starts: the step's end as the host counted it (the sampled token's position for a
+        # plain row), less the drafts the verdict rejected, and less those the verdict before rejected for a row
+        # scheduled ahead of it (it started that much earlier).
+        behind = rejected
+        prev = [(i, ahead.rows[s.request_id]) for i, (s, _) in enumerate(rows) if s.device_drafts]
+        if prev:
+            i_t, j_t = (device_tensor([p[c] for p in prev], self.device, torch.long) for c in (0, 1))
+            behind = rejected.index_add(0, i_t, ahead.rejected.index_select(0, j_t))
+        positions = []
+        for i, (s, _) in enumerate(rows):
+            positions.append(s.num_computed_tokens + s.num_new_tokens)
+            if first[i] is None:
+                first[i] = last_sampled[last_rows[s.request_id]]
         self.counts["steps"] += 1
-        drafts = self.propose(torch.stack(first), positions, [state.block_ids for _, state in rows])
-        return [s.request_id for s, _ in rows], drafts
+        first_t = torch.stack(first)
+        drafts = self.propose(first_t, positions, [state.block_ids for _, state in rows],
+                              behind if verified is not None else None)
+        return [s.request_id for s, _ in rows], drafts, first_t, rejected

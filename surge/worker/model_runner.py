@@ -113,7 +113,7 @@ class ModelRunner:
         self.draft = DraftModel(config, self.device) if spec is not None and spec.method == "draft_model" else None
         # n-gram drafts under async scheduling: looked up here, on the device, after every sampling step, so a
         # request's next step can be launched before its verdict reaches the host (the engine looks them up on
-        # the host otherwise). _ahead: what the last step left for such a step.
+        # the host otherwise). _ahead: what the last step left for such a step (a draft model's drafts too).
         self.ngram = (DeviceNgram(spec, mc.max_model_len, self.device) if spec is not None and spec.method == "ngram"
                       and config.scheduler_config.async_scheduling else None)
         self._ahead: DeviceDrafts | None = None
@@ -241,9 +241,15 @@ class ModelRunner:
             self.sample(batch, hidden, pending)
             if self.draft is not None:  # its KV for this step's tokens, then k proposals per sampling request
                 self.draft.forward_step(self.inputs, batch.num_tokens, batch.meta)
-                drafted = self.draft.propose_after(batch, self._last_sampled, self._last_rows, self._verified)
-                if drafted is not None and self.samples:
-                    pending.drafts = (drafted[0], _to_host(drafted[1]))
+                drafted = self.draft.propose_after(batch, self._last_sampled, self._last_rows, self._verified,
+                                                   self._ahead)
+                self._ahead = None
+                if drafted is not None:
+                    rids, drafts, first, rejected = drafted
+                    self._ahead = DeviceDrafts({rid: j for j, rid in enumerate(rids)},
+                                               torch.cat((first[:, None], drafts), dim=1), rejected)
+                    if self.samples:
+                        pending.drafts = (rids, _to_host(drafts))
             if self.ngram is not None:
                 self._propose_ngram(batch, pending)
         if connector is not None:

@@ -84,10 +84,10 @@ def test_without_graphs_every_forward_is_eager(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_every_draft_forward_replays_and_the_host_waits_once_per_step(tmp_path):
+def test_on_cuda_every_draft_forward_replays_and_the_host_never_waits(tmp_path):
     """The real graph runners (tiny Llama as its own draft): output equal to decoding without speculation, no
-    eager draft forward, and inside the draft's work one synchronizing call per verified step (torch's sync debug
-    mode counts them: each is a wait for the device's whole queue)."""
+    eager draft forward, and inside the draft's work no synchronizing call (torch's sync debug mode counts them:
+    each is a wait for the device's whole queue): where the proposals start is corrected on the device."""
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     engine = {"block_size": 16, "max_model_len": 256, "device": "cuda", "kv_cache_memory": 1 << 26,
               "max_num_seqs": 8}
@@ -124,5 +124,4 @@ def test_on_cuda_every_draft_forward_replays_and_the_host_waits_once_per_step(tm
     assert proposed > 0 and accepted > 0.9 * proposed  # near-ties may round apart between graph shapes
     c = draft.counts
     assert c["step eager"] == 0 and c["pass eager"] == 0 and c["pass graph"] == 4 * c["steps"], dict(c)
-    assert syncs["forward_step"] == 0 and syncs["propose_after"] == c["host waits"] <= c["steps"], (dict(syncs),
-                                                                                                 dict(c), others)
+    assert syncs["forward_step"] == syncs["propose_after"] == c["host waits"] == 0, (dict(syncs), dict(c), others)

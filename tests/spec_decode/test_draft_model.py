@@ -17,22 +17,27 @@ def model_dirs(tmp_path_factory):
     return {kind: make_tiny_model(kind, tmp_path_factory.mktemp(kind)) for kind in ("llama", "qwen3-hybrid")}
 
 
-def _generate(llm: LLM, prompts, params):
-    """Outputs, and (drafts proposed, drafts accepted) over the run."""
-    counts = [0, 0]
+def _generate(llm: LLM, prompts, params, ahead: list[int] | None = None):
+    """Outputs, and (drafts proposed, drafts accepted) over the run; ahead gains the drafts verified in steps
+    scheduled ahead of their verdict."""
+    counts = [0, 0, 0]
     sched = llm.engine.scheduler
     inner = sched.update_from_output
 
     def record(out, sampled, kv_output=None):
         for s in out.scheduled:
-            if s.spec_token_ids and s.request_id in sampled:
-                counts[0] += len(s.spec_token_ids)
+            if s.num_drafts and s.request_id in sampled:
+                counts[0] += s.num_drafts
                 counts[1] += len(sampled[s.request_id]) - 1
+                counts[2] += s.device_drafts
         return inner(out, sampled, kv_output)
 
     sched.update_from_output = record
     try:
-        return llm.generate(prompts, params, use_tqdm=False), tuple(counts)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if ahead is not None:
+            ahead.append(counts[2])
+        return outs, tuple(counts[:2])
     finally:
         sched.update_from_output = inner
 
@@ -82,20 +87,25 @@ def test_prefix_cache_hits_keep_the_drafts_kv(model_dirs):
     assert proposed > 0 and accepted == proposed
 
 
-@pytest.mark.parametrize("extra", [{"tensor_parallel_size": 2}, {"async_scheduling": True}], ids=["tp2", "async"])
+@pytest.mark.parametrize("extra", [{"tensor_parallel_size": 2}, {"async_scheduling": True},
+                                   {"tensor_parallel_size": 2, "async_scheduling": True}],
+                         ids=["tp2", "async", "tp2-async"])
 def test_tensor_parallel_and_async_scheduling(tmp_path, extra):
-    """TP=2: the draft sharded like the target, rank 0's verdict broadcast. Async scheduling: steps with drafts run
-    synchronously (the drafts follow the verdict), and nothing is lost between them."""
+    """TP=2: the draft sharded like the target, rank 0's verdict broadcast. Async scheduling: the drafts stay on the
+    device and each step is launched ahead of the verdict before it (the draft starts where that verdict ended), and
+    nothing is lost between them."""
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref = LLM(model_dir, kv_cache_memory=1 << 22, **BASE).generate(_prompts(), params, use_tqdm=False)
     llm = LLM(model_dir, speculative_config=_spec(model_dir, 3), kv_cache_memory=1 << 22, **extra, **BASE)
     try:
-        outs, (proposed, accepted) = _generate(llm, _prompts(), params)
+        ahead: list[int] = []
+        outs, (proposed, accepted) = _generate(llm, _prompts(), params, ahead)
     finally:
         llm.engine.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert proposed > 0 and accepted == proposed
+    assert (ahead[0] > 0) == bool(extra.get("async_scheduling"))
 
 
 def test_a_different_draft_is_verified_exactly(tmp_path):

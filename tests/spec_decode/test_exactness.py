@@ -25,11 +25,12 @@ def plain(model_dir):
     return LLM(model_dir, **BASE)
 
 
-@pytest.fixture(scope="module", params=["ngram", "ngram-async", "draft_model"])
+@pytest.fixture(scope="module", params=["ngram", "ngram-async", "draft_model", "draft_model-async"])
 def engines(request, model_dir, plain):
-    """ngram-async: drafts looked up on the device, steps launched ahead of the verdict before them."""
+    """-async: the drafts stay on the device (the n-gram lookup runs there) and steps are launched ahead of the
+    verdict before them."""
     spec = SPEC if request.param.startswith("ngram") else {**SPEC, "method": "draft_model", "model": str(model_dir)}
-    extra = {"async_scheduling": True} if request.param == "ngram-async" else {}
+    extra = {"async_scheduling": True} if request.param.endswith("-async") else {}
     return plain, LLM(model_dir, speculative_config=spec, **BASE, **extra), request.param
 
 
@@ -63,7 +64,7 @@ def _compare(engines, params: SamplingParams):
 @pytest.mark.parametrize("penalties", [dict(repetition_penalty=1.05), dict(frequency_penalty=0.05),
                                        dict(presence_penalty=0.1)], ids=["repetition", "frequency", "presence"])
 def test_penalties(engines, penalties):
-    if engines[2] == "draft_model" and "repetition_penalty" not in penalties:
+    if engines[2].startswith("draft_model") and "repetition_penalty" not in penalties:
         pytest.skip("the penalties differ only in the verification, which both proposers share: one suffices here")
     _compare(engines, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **penalties))
 
