@@ -30,8 +30,9 @@ class VerifyResult:
 
 def verify_rows(state: CachedRequestState, drafts: list[int] | int) -> list[SamplingRow]:
     """The k + 1 sampling rows of one request whose drafts follow its whole known sequence. drafts: the tokens, or
-    only their count k when they are on the device alone (a request scheduled ahead of its verdict, which never
-    uses penalties or an unmet min_tokens, so its rows need neither the drafts nor the newest outputs)."""
+    only their count k when they are on the device alone (a request scheduled ahead of its verdict: it uses no
+    penalties, and no min_tokens holds back a stop token, so its rows need neither the drafts nor its newest
+    outputs)."""
     p = state.params
     base = state.num_output_tokens
     outputs = state.output_token_ids if p.uses_penalties else []

@@ -167,3 +167,38 @@ def test_greedy_identical_through_prefix_cache_hits(tmp_path, async_scheduling):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert stats.num_accepted_tokens > before
     assert (ahead[0] > 0) == async_scheduling
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_steps_run_ahead_of_the_verdict_without_a_host_wait(tmp_path):
+    """On the GPU (async scheduling by default, CUDA graphs, the Triton backend reading lengths from the device):
+    greedy output equal to decoding without speculation, steps scheduled ahead of their verdict, and neither the
+    inputs' preparation nor the device lookup makes a synchronizing call (torch's sync debug mode counts them)."""
+    import warnings
+
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    engine = {"block_size": 16, "max_model_len": 256, "device": "cuda", "kv_cache_memory": 1 << 26,
+              "max_num_seqs": 8}
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = LLM(model_dir, **engine).generate(_prompts(), params, use_tqdm=False)
+    llm = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **engine)
+    runner = llm.engine.executor.runner
+    assert llm.engine.async_scheduling and runner.ngram is not None
+    ahead, syncs = count_ahead(llm), []
+    for name in ("prepare_inputs", "_propose_ngram"):
+        inner = getattr(runner, name)
+
+        def run(*args, _inner=inner, _name=name):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return _inner(*args)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    syncs.extend(_name for w in caught if "called a synchronizing CUDA operation" in str(w.message))
+        setattr(runner, name, run)
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert ahead[0] > 0 and llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert syncs == []
