@@ -88,29 +88,26 @@ class DeviceNgram:
         """(drafts [n, k], valid [n]) for rows (device [n]) no longer than max_length (a bound the host knows):
         drafts[i, :valid[i]] is NgramProposer.propose's answer for row i; the columns after hold the row's last
         token (a guess the verification may still accept), so every row carries k tokens to verify."""
-        n, k, width = rows.shape[0], self.k, min(max_length, self.width)
+        n, k, m, width = rows.shape[0], self.k, self.max_n, min(max_length, self.width)
         hist = self.tokens[rows, :width]  # [n, L]
         length = self.lengths[rows]  # [n]
         idx = torch.arange(width, device=self.device)
-        # run[i, e]: how many tokens ending at position e equal the row's suffix (up to max_n); a match must end
-        # before the last token, and the suffix itself must not reach before the row's start.
-        run = torch.zeros(n, width, dtype=torch.int64, device=self.device)
-        alive = torch.ones(n, width, dtype=torch.bool, device=self.device)
-        for t in range(self.max_n):
-            suffix_pos = (length - 1 - t).clamp_min(0)
-            suffix_tok = hist.gather(1, suffix_pos[:, None])  # [n, 1]
-            shifted = torch.roll(hist, t, dims=1)  # shifted[:, e] = hist[:, e - t]
-            alive &= (shifted == suffix_tok) & (idx[None, :] >= t) & (length[:, None] - 1 - t >= 0)
-            run += alive
-        run = torch.where(idx[None, :] <= length[:, None] - 2, run, 0)
-        run = torch.where(run >= self.min_n, run, 0)
+        # windows[i, e, t] = hist[i, e - t]: the m tokens ending at e, newest first (-1 before the row's start), and
+        # the suffix likewise from the row's last token; run[i, e] = how many of them agree, newest first. -1
+        # agrees with -1 before both starts: the run is cut to the tokens there are (e + 1, and the row's length).
+        padded = torch.nn.functional.pad(hist, (m - 1, 0), value=-1)
+        windows = padded.unfold(1, m, 1).flip(2)  # [n, L, m]
+        suffix = windows.gather(1, (length - 1).clamp_min(0)[:, None, None].expand(n, 1, m))  # [n, 1, m]
+        run = (windows == suffix).cumprod(dim=2).sum(dim=2)
+        run = torch.minimum(torch.minimum(run, idx[None, :] + 1), length[:, None])
+        # A match ends before the last token and is at least min_n long.
+        run = torch.where((idx[None, :] <= length[:, None] - 2) & (run >= self.min_n), run, 0)
         best = run.max(dim=1).values  # [n]: the longest n that matched, 0: none
         # The most recent end position with that length: the largest e whose run equals best.
         end = torch.where((run == best[:, None]) & (best[:, None] > 0), idx[None, :], -1).max(dim=1).values
         start = end + 1
         valid = torch.where(best > 0, (length - start).clamp_max(k), 0)
-        take = (start[:, None] + torch.arange(k, device=self.device)[None, :]).clamp(0, width - 1)
+        cols = torch.arange(k, device=self.device)[None, :]
         last = hist.gather(1, (length - 1).clamp_min(0)[:, None])
-        drafts = torch.where(torch.arange(k, device=self.device)[None, :] < valid[:, None], hist.gather(1, take),
-                             last)
+        drafts = torch.where(cols < valid[:, None], hist.gather(1, (start[:, None] + cols).clamp(0, width - 1)), last)
         return drafts, valid

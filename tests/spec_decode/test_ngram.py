@@ -37,7 +37,7 @@ def test_device_lookup_matches_a_plain_scan_through_appends():
     """The device twin over a batch of rows of different lengths, grown by appends as verdicts grow them (w tokens
     written, fewer kept), gives the plain scan's drafts in its valid columns and the row's last token after them."""
     rng = random.Random(1)
-    for lo, hi, k in [(1, 4, 4), (2, 3, 1), (1, 1, 5), (3, 5, 3)]:
+    for lo, hi, k in [(1, 4, 4), (2, 3, 1), (1, 1, 5), (3, 5, 3), (2, 8, 2), (4, 4, 4)]:
         ngram = DeviceNgram(SpeculativeConfig("ngram", k, prompt_lookup_min=lo, prompt_lookup_max=hi), 64,
                             torch.device("cpu"))
         seqs = {f"r{i}": [rng.randrange(3) for _ in range(rng.randint(1, 12))] for i in range(11)}  # grows twice
@@ -45,7 +45,7 @@ def test_device_lookup_matches_a_plain_scan_through_appends():
             ngram.add(rid, torch.tensor(tokens))
         ngram.remove(["r3"])
         del seqs["r3"]
-        for _ in range(6):
+        for _ in range(10):
             rids = list(seqs)
             rows = torch.tensor([ngram.row_of[r] for r in rids])
             drafts, valid = ngram.propose(rows, max(len(t) for t in seqs.values()))
