@@ -246,8 +246,7 @@ class ModelRunner:
                 self._ahead = None
                 if drafted is not None:
                     rids, drafts, first, rejected = drafted
-                    self._ahead = DeviceDrafts({rid: j for j, rid in enumerate(rids)},
-                                               torch.cat((first[:, None], drafts), dim=1), rejected)
+                    self._ahead = DeviceDrafts.of(rids, first, drafts, rejected)
                     if self.samples:
                         pending.drafts = (rids, _to_host(drafts))
             if self.ngram is not None:
@@ -345,7 +344,7 @@ class ModelRunner:
         next step waits for the host (the scheduler holds it while the verdict is in flight), or, with device
         drafts, takes what the verdict left from the device (_propose_ngram)."""
         qsl = batch.meta[0].query_start_loc
-        requests, idx, draft_pos = [], [], []
+        requests, num_drafts, idx, draft_pos = [], [], [], []
         for i, (s, state) in enumerate(zip(batch.scheduled, batch.states)):
             if s.num_drafts:
                 # A row scheduled ahead starts after tokens the host has not seen; any other follows them all.
@@ -353,6 +352,7 @@ class ModelRunner:
                                                                                           s.num_computed_tokens)
                 k = s.num_drafts
                 requests.append((state, s.spec_token_ids or k))
+                num_drafts.append(k)
                 idx.extend(range(qsl[i + 1] - 1 - k, qsl[i + 1]))
                 draft_pos.extend(range(qsl[i + 1] - k, qsl[i + 1]))
         self._verified = None
@@ -369,7 +369,7 @@ class ModelRunner:
         out = (verify(logits, requests, device_verdicts=self.draft is not None or self.ngram is not None,
                       draft_ids=draft_ids) if logits is not None else None)
         request_ids = [state.request_id for state, _ in requests]
-        self._verified = (request_ids, [s.num_drafts for s in batch.scheduled if s.num_drafts], out)
+        self._verified = (request_ids, num_drafts, out)
         if out is None:
             return
         pending.verify = VerifiedDrafts(
@@ -425,8 +425,7 @@ class ModelRunner:
         max_length = max(s.num_computed_tokens + s.num_new_tokens for s in batch.scheduled if s.samples) + 1
         drafts, valid = ngram.propose(rows_t, max_length)
         rids = [state.request_id for state in states]
-        self._ahead = DeviceDrafts({rid: j for j, rid in enumerate(rids)},
-                                   torch.cat((torch.cat(firsts)[:, None], drafts), dim=1), torch.cat(rejected))
+        self._ahead = DeviceDrafts.of(rids, torch.cat(firsts), drafts, torch.cat(rejected))
         if self.samples:
             pending.drafts = (rids, _to_host(drafts))
             pending.num_valid_drafts = _to_host(valid)

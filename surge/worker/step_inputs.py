@@ -24,6 +24,13 @@ class DeviceDrafts:
     tokens: torch.Tensor
     rejected: torch.Tensor
 
+    @classmethod
+    def of(cls, request_ids: list[str], newest: torch.Tensor, drafts: torch.Tensor,
+           rejected: torch.Tensor) -> DeviceDrafts:
+        """From per-request rows in request_ids' order: newest tokens [n], drafts [n, k], rejected [n]."""
+        return cls({rid: j for j, rid in enumerate(request_ids)}, torch.cat((newest[:, None], drafts), dim=1),
+                   rejected)
+
 
 class StepInputs:
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks_per_req: int, num_groups: int, block_size: int,
