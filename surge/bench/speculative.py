@@ -152,16 +152,15 @@ class _AlwaysPropose:
 
 
 def _always_propose_on_device(ngram) -> None:
-    """The device lookup (DeviceNgram) made to answer k copies of each row's last token, all of them to verify:
-    the lookup still runs, so the step pays for it as a real one does."""
-    lookup = ngram.propose
+    """The device lookup (surge/worker/ngram_lookup.py) made to answer k copies of each row's newest token, all of
+    them to verify: the lookup still runs, so the step pays for it as a real one does."""
+    step = ngram.step
 
-    def propose(rows, max_length: int):
-        drafts, valid = lookup(rows, max_length)
-        last = ngram.tokens[rows, (ngram.lengths[rows] - 1).clamp_min(0)]
-        return last[:, None].expand_as(drafts).contiguous(), torch.full_like(valid, ngram.k)
+    def forced(rows, sampled, verdicts):
+        tokens, rejected, valid = step(rows, sampled, verdicts)
+        return tokens[:, :1].expand_as(tokens).contiguous(), rejected, torch.full_like(valid, ngram.k)
 
-    ngram.propose = propose
+    ngram.step = forced
 
 
 def _per_step(engine: EngineCore, workload, repeats: int) -> tuple[float, dict[str, float]]:

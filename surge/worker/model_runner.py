@@ -31,10 +31,10 @@ from surge.logger import init_logger
 from surge.model.layers.linear import num_kv_heads_per_rank
 from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs, device_tensor
 from surge.model.loader.base import load_model
-from surge.spec_decode.ngram import DeviceNgram
 from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from surge.worker.request_state import CachedRequestState, RequestStates
 from surge.worker.draft_model import DraftModel
+from surge.worker.ngram_lookup import DeviceNgram, Verdicts
 from surge.worker.spec_verify import VerifiedDrafts, VerifyResult, verify
 from surge.worker.step_inputs import DeviceDrafts, StepInputs
 import surge.attention.torch_backend  # noqa: F401,I001  (registers the backends)
@@ -175,6 +175,10 @@ class ModelRunner:
         if self.samples:  # the rank that samples: the top-k/top-p kernel for the model's dtype and float32
             seconds += self.sampler.warm_up(self.device, sc.max_num_seqs, mc.vocab_size, mc.dtype,
                                             max_workers=self.config.warmup_workers)
+        if self.ngram is not None and self.ngram.use_kernel:
+            start = time.perf_counter()
+            self.ngram.warm_up()
+            seconds += time.perf_counter() - start
         return seconds
 
     def _size_kv_cache(self) -> KVCacheConfig:
@@ -388,29 +392,24 @@ class ModelRunner:
         self._ahead = None
         if not plain and verified is None:
             return
-        ngram, k = self.ngram, self.ngram.k
-        width = k + 1  # tokens a row may gain this step
-        parts, counts, firsts, rejected, states = [], [], [], [], list(plain)
-        if plain:
-            sampled = self._last_sampled[:len(plain), None]
-            parts.append(sampled.expand(len(plain), width))
-            counts.append(torch.ones(len(plain), dtype=torch.int64, device=self.device))
-            firsts.append(sampled[:, 0])
-            rejected.append(torch.zeros(len(plain), dtype=torch.int64, device=self.device))
+        ngram, states = self.ngram, list(plain)
+        sampled = self._last_sampled[:len(plain)] if plain else None
+        verdicts = None
         if verified is not None:
             ids, num_drafts, out = verified
-            buf = torch.zeros(len(ids), width + 1, dtype=torch.int64, device=self.device)  # verdicts, accepted
-            if out is not None:
-                starts = np.cumsum([0] + [d + 1 for d in num_drafts[:-1]], dtype=np.int64)
-                cols = np.minimum(np.arange(width)[None, :], np.asarray(num_drafts)[:, None])
-                buf[:, :width] = out.token_ids[device_tensor(starts[:, None] + cols, self.device)]
-                buf[:, width] = out.num_accepted
-            buf = self.tp.broadcast(buf)
-            accepted = buf[:, width]
-            parts.append(buf[:, :width])
-            counts.append(accepted + 1)
-            firsts.append(buf[:, :width].gather(1, accepted[:, None])[:, 0])
-            rejected.append(device_tensor(np.asarray(num_drafts, dtype=np.int64), self.device) - accepted)
+            starts = np.cumsum([0] + [d + 1 for d in num_drafts[:-1]], dtype=np.int64).tolist()
+            if self.tp.world_size > 1:  # rank 0 verified: its verdicts and accepted counts to every rank
+                width = ngram.k + 1
+                buf = torch.zeros(len(ids), width + 1, dtype=torch.int64, device=self.device)
+                if out is not None:
+                    cols = np.minimum(np.arange(width)[None, :], np.asarray(num_drafts)[:, None])
+                    buf[:, :width] = out.token_ids[device_tensor(np.asarray(starts)[:, None] + cols, self.device)]
+                    buf[:, width] = out.num_accepted
+                buf = self.tp.broadcast(buf)
+                verdicts = Verdicts(buf.view(-1), [j * (width + 1) for j in range(len(ids))], num_drafts,
+                                    buf[:, width])
+            else:
+                verdicts = Verdicts(out.token_ids, starts, num_drafts, out.num_accepted)
             by_id = {state.request_id: state for state in batch.states}
             states += [by_id[rid] for rid in ids]
         rows = []
@@ -419,15 +418,11 @@ class ModelRunner:
             if row is None:  # its first sample: the runner holds every token so far
                 row = ngram.add(state.request_id, device_tensor(state.token_ids, self.device, torch.long))
             rows.append(row)
-        rows_t = device_tensor(rows, self.device, torch.long)
-        ngram.append(rows_t, torch.cat(parts), torch.cat(counts))
-        # A bound on every row's length now: each step's end (as the host counted it) and its one new token.
-        max_length = max(s.num_computed_tokens + s.num_new_tokens for s in batch.scheduled if s.samples) + 1
-        drafts, valid = ngram.propose(rows_t, max_length)
+        tokens, rejected, valid = ngram.step(rows, sampled, verdicts)
         rids = [state.request_id for state in states]
-        self._ahead = DeviceDrafts.of(rids, torch.cat(firsts), drafts, torch.cat(rejected))
+        self._ahead = DeviceDrafts(dict(zip(rids, range(len(rids)))), tokens, rejected)
         if self.samples:
-            pending.drafts = (rids, _to_host(drafts))
+            pending.drafts = (rids, _to_host(tokens)[:, 1:])
             pending.num_valid_drafts = _to_host(valid)
 
     def _sampling_row(self, s: ScheduledRequest, req: CachedRequestState) -> SamplingRow:

@@ -9,7 +9,8 @@ import torch
 
 from surge import LLM, SamplingParams
 from surge.config import SpeculativeConfig
-from surge.spec_decode.ngram import DeviceNgram, NgramProposer
+from surge.spec_decode.ngram import NgramProposer
+from surge.worker.ngram_lookup import DeviceNgram
 from tiny_models import make_tiny_model
 
 
