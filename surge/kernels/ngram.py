@@ -20,7 +20,9 @@ import triton.language as tl
 META_COLUMNS = 5
 
 
-@triton.jit
+# Nothing specialized on its arguments' values or alignment: the warm-up's one variant is every launch's (meta and
+# the verdicts' accepted counts are views at any offset), and these loads gain nothing from it.
+@triton.jit(do_not_specialize=list(range(11)))
 def _ngram_step_kernel(tokens_ptr, lengths_ptr, stride_tokens, meta_ptr, sampled_ptr, verdicts_ptr, accepted_ptr,
                        stride_accepted, out_ptr, rejected_ptr, valid_ptr,
                        K: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, NEW_PAD: tl.constexpr,
@@ -91,7 +93,18 @@ def ngram_step(tokens: torch.Tensor, lengths: torch.Tensor, meta: torch.Tensor, 
     valid = torch.empty(n, dtype=torch.int64, device=tokens.device)
     if n:
         _ngram_step_kernel[(n,)](tokens, lengths, tokens.stride(0), meta, sampled, verdicts, accepted,
-                                 accepted.stride(0), out, rejected, valid, K=k, MIN_N=min_n, MAX_N=max_n,
-                                 NEW_PAD=triton.next_power_of_2(k + 1), K_PAD=triton.next_power_of_2(k),
-                                 BLOCK=512, num_warps=4)
+                                 accepted.stride(0), out, rejected, valid, **_launch(k, min_n, max_n))
     return out, rejected, valid
+
+
+def warm_up_ngram_step(tokens: torch.Tensor, k: int, min_n: int, max_n: int, accepted_stride: int) -> None:
+    """Compile ngram_step's variant for tables like tokens and accepted counts of that stride (1: one rank's
+    verdicts; k + 2: the TP broadcast's matrix), without launching it: warm-up may run beside serving."""
+    scratch = torch.zeros(1, META_COLUMNS, dtype=torch.int64, device=tokens.device)
+    _ngram_step_kernel.warmup(tokens, scratch, tokens.stride(0), scratch, scratch, scratch, scratch, accepted_stride,
+                              scratch, scratch, scratch, grid=(1,), **_launch(k, min_n, max_n))
+
+
+def _launch(k: int, min_n: int, max_n: int) -> dict:
+    return dict(K=k, MIN_N=min_n, MAX_N=max_n, NEW_PAD=triton.next_power_of_2(k + 1),
+                K_PAD=triton.next_power_of_2(k), BLOCK=512, num_warps=4)

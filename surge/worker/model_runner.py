@@ -175,9 +175,12 @@ class ModelRunner:
         if self.samples:  # the rank that samples: the top-k/top-p kernel for the model's dtype and float32
             seconds += self.sampler.warm_up(self.device, sc.max_num_seqs, mc.vocab_size, mc.dtype,
                                             max_workers=self.config.warmup_workers)
-        if self.ngram is not None and self.ngram.use_kernel:
-            start = time.perf_counter()
-            self.ngram.warm_up()
+        spec = self.config.speculative_config
+        if spec is not None and self.config.scheduler_config.async_scheduling and self.device.type == "cuda":
+            start = time.perf_counter()  # the kernels of steps scheduled ahead of their verdict: one variant each
+            if self.ngram is not None:
+                self.ngram.warm_up(self.tp.world_size)
+            self.inputs.warm_up_ahead(spec.num_speculative_tokens)
             seconds += time.perf_counter() - start
         return seconds
 
@@ -364,12 +367,18 @@ class ModelRunner:
             return
         # The rows are usually one range (every request of the step verifies: all its tokens), a view: no index
         # upload and no gather launch.
-        rows = (hidden[idx[0]:idx[-1] + 1] if idx[-1] - idx[0] + 1 == len(idx)
-                else hidden[device_tensor(idx, self.device, torch.long)])
+        one_range = idx[-1] - idx[0] + 1 == len(idx)
+        rows = hidden[idx[0]:idx[-1] + 1] if one_range else hidden[device_tensor(idx, self.device, torch.long)]
         logits = self.model.compute_logits(rows)
-        # Device drafts are known only there: read from the step's own input tokens.
-        draft_ids = (self.inputs.input_ids[device_tensor(draft_pos, self.device, torch.long)]
-                     if any(isinstance(d, int) for _, d in requests) else None)
+        # Device drafts are known only there: read from the step's own input tokens (in one range of k + 1 tokens
+        # per request, the last k of each: a view).
+        draft_ids = None
+        if any(isinstance(d, int) for _, d in requests):
+            k = num_drafts[0]
+            if one_range and all(d == k for d in num_drafts):
+                draft_ids = self.inputs.input_ids[idx[0]:idx[-1] + 1].view(-1, k + 1)[:, 1:].reshape(-1)
+            else:
+                draft_ids = self.inputs.input_ids[device_tensor(draft_pos, self.device, torch.long)]
         out = (verify(logits, requests, device_verdicts=self.draft is not None or self.ngram is not None,
                       draft_ids=draft_ids) if logits is not None else None)
         request_ids = [state.request_id for state, _ in requests]

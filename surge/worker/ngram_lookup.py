@@ -68,11 +68,13 @@ class DeviceNgram:
             if row is not None:
                 self._free.append(row)
 
-    def warm_up(self) -> None:
-        """One step on a scratch row: compiles the kernel (its one variant) before the first request needs it."""
-        row = self.add("\0warm-up", torch.zeros(1, dtype=torch.int64, device=self.device))
-        self.step([row], torch.zeros(1, dtype=torch.int64, device=self.device), None)
-        self.remove(["\0warm-up"])
+    def warm_up(self, num_ranks: int) -> None:
+        """Compile the kernel before the first request needs it (num_ranks > 1: verdicts come broadcast)."""
+        if self.use_kernel:
+            from surge.kernels.ngram import warm_up_ngram_step
+
+            tokens = torch.zeros(1, self.width, dtype=torch.int64, device=self.device)
+            warm_up_ngram_step(tokens, self.k, self.min_n, self.max_n, 1 if num_ranks == 1 else self.k + 2)
 
     def step(self, rows: list[int], sampled: torch.Tensor | None, verdicts: Verdicts | None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -93,9 +93,19 @@ def _positions(num_drafts: list[int], device: torch.device) -> tuple[torch.Tenso
 def _verify_greedy(work: torch.Tensor, draft_ids: torch.Tensor, num_drafts: list[int], device: torch.device):
     """p a point mass on the argmax at every row: a draft is accepted when it is the argmax, and the token at each
     position is the argmax (the draft itself where accepted)."""
-    draft_t, _ = _positions(num_drafts, device)
     token_ids = work.argmax(dim=-1)
-    return token_ids, token_ids[draft_t] == draft_ids, num_drafts
+    k = _uniform(num_drafts)
+    if k:  # every request verifies k: its drafts' rows are the first k of its k + 1, no index to upload
+        at_drafts = token_ids.view(len(num_drafts), k + 1)[:, :k].reshape(-1)
+    else:
+        at_drafts = token_ids[_positions(num_drafts, device)[0]]
+    return token_ids, at_drafts == draft_ids, num_drafts
+
+
+def _uniform(num_drafts: list[int]) -> int:
+    """k when every request verifies k > 0 drafts (every step of device drafts), else 0."""
+    k = num_drafts[0] if num_drafts else 0
+    return k if k and all(d == k for d in num_drafts) else 0
 
 
 def _finish(logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor, accepted: torch.Tensor,
@@ -111,6 +121,8 @@ def num_accepted(accepted: torch.Tensor, num_drafts: list[int]) -> torch.Tensor:
     """Leading accepted drafts per request: accepted [sum k_i] bool in request order, num_drafts the k_i (on the
     host, so the grid's shape and indices need no read of the device: a verification step never waits for it)."""
     n, k_max = len(num_drafts), max(num_drafts, default=0)
+    if _uniform(num_drafts):
+        return accepted.view(n, k_max).long().cumprod(dim=1).sum(dim=1)
     flat = np.concatenate([i * k_max + np.arange(k, dtype=np.int64) for i, k in enumerate(num_drafts)] or
                           [np.zeros(0, dtype=np.int64)])
     grid = torch.ones(n * k_max, dtype=torch.int64, device=accepted.device)  # padding counts as accepted...

@@ -53,6 +53,9 @@ class StepInputs:
         # The mixed-graph padding the buffers hold now, as pad_mixed's arguments: a replay that wants the same need
         # not write it again (fill lays it out with the step's own copies). Anything else that writes them clears it.
         self._padding: tuple[int, int, int, int] | None = None
+        # Rows scheduled ahead are corrected by one kernel on CUDA (surge/kernels/ahead_rows.py), by torch ops
+        # elsewhere (and for more than two KV cache groups).
+        self.use_ahead_kernel = device.type == "cuda"
 
     def fill(self, scheduled: list[ScheduledRequest], states: list[CachedRequestState],
              last_sampled: torch.Tensor | None = None, last_rows: dict[str, int] | None = None,
@@ -74,6 +77,7 @@ class StepInputs:
         exact_host_lengths: a backend that reads lengths on the host (one that cannot replay CUDA graphs)."""
         block_size = self.block_size
         num_reqs = len(scheduled)
+        ahead_kernel = self.use_ahead_kernel and len(self.slot_mapping) <= 2
         num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
         seq_lens = starts + num_new
@@ -135,10 +139,13 @@ class StepInputs:
             # and its request's row there; then per request: its index and its row.
             width = ahead.tokens.shape[1]
             reqs, rows = np.asarray(ahead_reqs, dtype=np.int64), np.asarray(ahead_rows, dtype=np.int64)
-            col = np.arange(width, dtype=np.int64)
-            tok_req, tok_row = np.repeat(reqs, width), np.repeat(rows, width)
-            ahead_parts = [(query_start_loc[reqs][:, None] + col).reshape(-1), tok_req,
-                           (rows[:, None] * width + col).reshape(-1), tok_row, reqs, rows]
+            if ahead_kernel:  # per request: its index, its row, its first token (correct_ahead_rows' meta)
+                ahead_parts = [np.stack((reqs, rows, query_start_loc[reqs]), axis=1).reshape(-1)]
+            else:
+                col = np.arange(width, dtype=np.int64)
+                tok_req, tok_row = np.repeat(reqs, width), np.repeat(rows, width)
+                ahead_parts = [(query_start_loc[reqs][:, None] + col).reshape(-1), tok_req,
+                               (rows[:, None] * width + col).reshape(-1), tok_row, reqs, rows]
             parts += [(a, a.size, 0) for a in ahead_parts]
         size = sum(n for _, n, _ in parts)
         # Two staging buffers, used in turn: with a step in flight, its copy may not have read its buffer yet.
@@ -176,7 +183,16 @@ class StepInputs:
             dst, src = take(len(pending_dst)), take(len(pending_src))
             self.input_ids.index_copy_(0, dst, last_sampled.index_select(0, src))
         seq_lens_host = seq_lens.tolist()
-        if ahead_reqs:
+        if ahead_reqs and ahead_kernel:
+            from surge.kernels.ahead_rows import correct_ahead_rows  # (imported late: see DeviceNgram.step)
+
+            meta = take(3 * len(ahead_reqs)).view(-1, 3)
+            correct_ahead_rows(meta, ahead.tokens, ahead.rejected, self.input_ids, self.positions, self.seq_lens,
+                               self.slot_mapping, self.block_tables, block_size)
+            if exact_host_lengths:
+                for i, r in zip(ahead_reqs, ahead.rejected.index_select(0, meta[:, 1]).tolist()):
+                    seq_lens_host[i] -= r
+        elif ahead_reqs:
             m, a = len(ahead_reqs) * ahead.tokens.shape[1], len(ahead_reqs)
             tok, tok_req, src, tok_row, reqs, rows = take(m), take(m), take(m), take(m), take(a), take(a)
             self.input_ids.index_copy_(0, tok, ahead.tokens.reshape(-1).index_select(0, src))
@@ -192,6 +208,14 @@ class StepInputs:
                     seq_lens_host[i] -= r
         self._padding = (num_tokens, num_reqs, *pad) if pad else None
         return num_tokens, num_reqs, query_start_loc.tolist(), seq_lens_host
+
+    def warm_up_ahead(self, k: int) -> None:
+        """Compile the ahead rows' kernel for k drafts, so the first step scheduled ahead does not wait for it."""
+        if self.use_ahead_kernel and len(self.slot_mapping) <= 2:
+            from surge.kernels.ahead_rows import warm_up_ahead_rows
+
+            warm_up_ahead_rows(k, self.input_ids, self.positions, self.seq_lens, self.slot_mapping,
+                               self.block_tables, self.block_size)
 
     def pad_decode(self, num_reqs: int, padded: int) -> None:
         """Rows num_reqs..padded of a captured decode graph: one token each, in the null block, context 1.

@@ -174,14 +174,20 @@ def test_greedy_identical_through_prefix_cache_hits(tmp_path, async_scheduling):
 def test_on_cuda_steps_run_ahead_of_the_verdict_without_a_host_wait(tmp_path):
     """On the GPU (async scheduling by default, CUDA graphs, the Triton backend reading lengths from the device):
     greedy output equal to decoding without speculation, steps scheduled ahead of their verdict, and neither the
-    inputs' preparation nor the device lookup makes a synchronizing call (torch's sync debug mode counts them)."""
+    inputs' preparation nor the device lookup makes a synchronizing call (torch's sync debug mode counts them).
+    Both kernels of the path ran, each in the one variant the warm-up compiled."""
     import warnings
 
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     engine = {"block_size": 16, "max_model_len": 256, "device": "cuda", "kv_cache_memory": 1 << 26,
               "max_num_seqs": 8}
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    from surge.kernels.ahead_rows import _ahead_rows_kernel
+    from surge.kernels.ngram import _ngram_step_kernel
+
     ref = LLM(model_dir, **engine).generate(_prompts(), params, use_tqdm=False)
+    kernels = (_ngram_step_kernel, _ahead_rows_kernel)
+    compiled = [_num_compiled(kernel) for kernel in kernels]
     llm = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **engine)
     runner = llm.engine.executor.runner
     assert llm.engine.async_scheduling and runner.ngram is not None
@@ -203,3 +209,12 @@ def test_on_cuda_steps_run_ahead_of_the_verdict_without_a_host_wait(tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert ahead[0] > 0 and llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
     assert syncs == []
+    # The warm-up compiled the one variant of each kernel that every launch used (a second would be a compile
+    # inside a request; none: an earlier test compiled it).
+    for kernel, before in zip(kernels, compiled):
+        assert _num_compiled(kernel) - before <= 1, kernel
+
+
+def _num_compiled(kernel) -> int:
+    """Variants of a Triton kernel compiled in this process (its per-device caches)."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
