@@ -10,16 +10,7 @@ import pytest
 import torch
 
 from surge.config import SpeculativeConfig
-
-
-def reference_propose(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
-    """The longest suffix (hi down to lo) seen earlier, its most recent occurrence, the k tokens after it."""
-    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
-        suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
-    return []
+from ngram_reference import reference_propose
 
 
 def _verdicts(rng: random.Random, k: int, n: int, matrix: bool, device: torch.device):

@@ -11,17 +11,8 @@ from surge import LLM, SamplingParams
 from surge.config import SpeculativeConfig
 from surge.spec_decode.ngram import NgramProposer
 from surge.worker.ngram_lookup import DeviceNgram
+from ngram_reference import reference_propose
 from tiny_models import make_tiny_model
-
-
-def reference_propose(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
-    """The longest suffix (hi down to lo) seen earlier, its most recent occurrence, the k tokens after it."""
-    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
-        suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
-    return []
 
 
 def test_proposer_matches_a_plain_scan():
