@@ -97,12 +97,11 @@ def ngram_step(tokens: torch.Tensor, lengths: torch.Tensor, meta: torch.Tensor, 
     return out, rejected, valid
 
 
-def warm_up_ngram_step(tokens: torch.Tensor, k: int, min_n: int, max_n: int, accepted_stride: int) -> None:
-    """Compile ngram_step's variant for tables like tokens and accepted counts of that stride (1: one rank's
-    verdicts; k + 2: the TP broadcast's matrix), without launching it: warm-up may run beside serving."""
+def warm_up_ngram_step(tokens: torch.Tensor, k: int, min_n: int, max_n: int) -> None:
+    """Compile ngram_step's variant for tables like tokens, without launching it: warm-up may run beside serving."""
     scratch = torch.zeros(1, META_COLUMNS, dtype=torch.int64, device=tokens.device)
-    _ngram_step_kernel.warmup(tokens, scratch, tokens.stride(0), scratch, scratch, scratch, scratch, accepted_stride,
-                              scratch, scratch, scratch, grid=(1,), **_launch(k, min_n, max_n))
+    _ngram_step_kernel.warmup(tokens, scratch, tokens.stride(0), scratch, scratch, scratch, scratch, 1, scratch,
+                              scratch, scratch, grid=(1,), **_launch(k, min_n, max_n))
 
 
 def _launch(k: int, min_n: int, max_n: int) -> dict:

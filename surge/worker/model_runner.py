@@ -179,7 +179,7 @@ class ModelRunner:
         if spec is not None and self.config.scheduler_config.async_scheduling and self.device.type == "cuda":
             start = time.perf_counter()  # the kernels of steps scheduled ahead of their verdict: one variant each
             if self.ngram is not None:
-                self.ngram.warm_up(self.tp.world_size)
+                self.ngram.warm_up()
             self.inputs.warm_up_ahead(spec.num_speculative_tokens)
             seconds += time.perf_counter() - start
         return seconds

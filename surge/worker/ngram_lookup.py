@@ -68,13 +68,13 @@ class DeviceNgram:
             if row is not None:
                 self._free.append(row)
 
-    def warm_up(self, num_ranks: int) -> None:
-        """Compile the kernel before the first request needs it (num_ranks > 1: verdicts come broadcast)."""
+    def warm_up(self) -> None:
+        """Compile the kernel before the first request needs it."""
         if self.use_kernel:
             from surge.kernels.ngram import warm_up_ngram_step
 
             tokens = torch.zeros(1, self.width, dtype=torch.int64, device=self.device)
-            warm_up_ngram_step(tokens, self.k, self.min_n, self.max_n, 1 if num_ranks == 1 else self.k + 2)
+            warm_up_ngram_step(tokens, self.k, self.min_n, self.max_n)
 
     def step(self, rows: list[int], sampled: torch.Tensor | None, verdicts: Verdicts | None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
