@@ -351,7 +351,7 @@ class ModelRunner:
         next step waits for the host (the scheduler holds it while the verdict is in flight), or, with device
         drafts, takes what the verdict left from the device (_propose_ngram)."""
         qsl = batch.meta[0].query_start_loc
-        requests, num_drafts, idx, draft_pos = [], [], [], []
+        requests, num_drafts, idx = [], [], []
         for i, (s, state) in enumerate(zip(batch.scheduled, batch.states)):
             if s.num_drafts:
                 # A row scheduled ahead starts after tokens the host has not seen; any other follows them all.
@@ -361,7 +361,6 @@ class ModelRunner:
                 requests.append((state, s.spec_token_ids or k))
                 num_drafts.append(k)
                 idx.extend(range(qsl[i + 1] - 1 - k, qsl[i + 1]))
-                draft_pos.extend(range(qsl[i + 1] - k, qsl[i + 1]))
         self._verified = None
         if not requests:
             return
@@ -378,6 +377,9 @@ class ModelRunner:
             if one_range and all(d == k for d in num_drafts):
                 draft_ids = self.inputs.input_ids[idx[0]:idx[-1] + 1].view(-1, k + 1)[:, 1:].reshape(-1)
             else:
+                # Of each request's k + 1 rows in idx, the last k.
+                ends = np.cumsum([d + 1 for d in num_drafts])
+                draft_pos = [idx[j] for end, d in zip(ends, num_drafts) for j in range(end - d, end)]
                 draft_ids = self.inputs.input_ids[device_tensor(draft_pos, self.device, torch.long)]
         out = (verify(logits, requests, device_verdicts=self.draft is not None or self.ngram is not None,
                       draft_ids=draft_ids) if logits is not None else None)

@@ -54,8 +54,8 @@ class StepInputs:
         # not write it again (fill lays it out with the step's own copies). Anything else that writes them clears it.
         self._padding: tuple[int, int, int, int] | None = None
         # Rows scheduled ahead are corrected by one kernel on CUDA (surge/kernels/ahead_rows.py), by torch ops
-        # elsewhere (and for more than two KV cache groups).
-        self.use_ahead_kernel = device.type == "cuda"
+        # elsewhere (and for more than two KV cache groups, which the kernel does not take).
+        self.use_ahead_kernel = device.type == "cuda" and num_groups <= 2
 
     def fill(self, scheduled: list[ScheduledRequest], states: list[CachedRequestState],
              last_sampled: torch.Tensor | None = None, last_rows: dict[str, int] | None = None,
@@ -77,7 +77,6 @@ class StepInputs:
         exact_host_lengths: a backend that reads lengths on the host (one that cannot replay CUDA graphs)."""
         block_size = self.block_size
         num_reqs = len(scheduled)
-        ahead_kernel = self.use_ahead_kernel and len(self.slot_mapping) <= 2
         num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
         seq_lens = starts + num_new
@@ -140,7 +139,7 @@ class StepInputs:
             # request's row there; then per request, its index and its row.
             width = ahead.tokens.shape[1]
             reqs, rows = np.asarray(ahead_reqs, dtype=np.int64), np.asarray(ahead_rows, dtype=np.int64)
-            if ahead_kernel:
+            if self.use_ahead_kernel:
                 ahead_parts = [np.stack((reqs, rows, query_start_loc[reqs]), axis=1).reshape(-1)]
             else:
                 col = np.arange(width, dtype=np.int64)
@@ -184,7 +183,7 @@ class StepInputs:
             dst, src = take(len(pending_dst)), take(len(pending_src))
             self.input_ids.index_copy_(0, dst, last_sampled.index_select(0, src))
         seq_lens_host = seq_lens.tolist()
-        if ahead_reqs and ahead_kernel:
+        if ahead_reqs and self.use_ahead_kernel:
             from surge.kernels.ahead_rows import correct_ahead_rows  # (imported late: see DeviceNgram.step)
 
             meta = take(3 * len(ahead_reqs)).view(-1, 3)
@@ -212,7 +211,7 @@ class StepInputs:
 
     def warm_up_ahead(self, k: int) -> None:
         """Compile the ahead rows' kernel for k drafts, so the first step scheduled ahead does not wait for it."""
-        if self.use_ahead_kernel and len(self.slot_mapping) <= 2:
+        if self.use_ahead_kernel:
             from surge.kernels.ahead_rows import warm_up_ahead_rows
 
             warm_up_ahead_rows(k, self.input_ids, self.positions, self.seq_lens, self.slot_mapping,
