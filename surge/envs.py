@@ -41,6 +41,12 @@ def _cpu_packed_weights() -> bool:
     return os.environ.get("SURGE_CPU_PACKED_WEIGHTS", "1") not in ("0", "false", "False", "")
 
 
+def _onednn_max_cpu_isa() -> str | None:
+    """ONEDNN_MAX_CPU_ISA (or its old name DNNL_MAX_CPU_ISA): oneDNN's own cap on the instructions it uses (e.g. AVX2),
+    read here only so the CPU GEMM's choice follows it (surge/model/layers/cpu_caps.py). Default: none."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or None
+
+
 def _triton_key_cache() -> bool:
     """SURGE_TRITON_KEY_CACHE: reuse Triton's own version key (a hash of its compiler and its ~100 MB library,
     which every process otherwise recomputes before its first kernel: ~0.4 s of start-up) while those files keep
@@ -51,6 +57,7 @@ def _triton_key_cache() -> bool:
 _GETTERS = {
     "SURGE_API_KEY": _api_key,
     "SURGE_CACHE_DIR": _cache_dir,
+    "ONEDNN_MAX_CPU_ISA": _onednn_max_cpu_isa,
     "SURGE_CPU_PACKED_WEIGHTS": _cpu_packed_weights,
     "SURGE_LOG_LEVEL": _log_level,
     "SURGE_RANK_TIMEOUT": _rank_timeout,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from surge.entrypoints.openai.errors import bad_request
 from surge.sampling_params import StructuredOutputsParams
 
 _FORMATS = ("text", "json_object", "json_schema")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _schema(schema: Any, param: str) -> StructuredOutputsParams:
@@ -57,7 +59,18 @@ def text_format(text: Any) -> StructuredOutputsParams | None:
         return None
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
-    return _schema(fmt.get("schema"), "text.format.schema")
+    # Unlike Chat's json_schema.schema, both are required here (OpenAI answers 400 without either).
+    name = fmt.get("name")
+    if name is None:
+        raise bad_request("text.format.name is required when text.format.type is 'json_schema'",
+                          param="text.format.name")
+    if not (isinstance(name, str) and _NAME.fullmatch(name)):
+        raise bad_request(f"text.format.name={name!r} is invalid: 1 to 64 characters of a-z, A-Z, 0-9, _ and -",
+                          param="text.format.name")
+    if fmt.get("schema") is None:
+        raise bad_request("text.format.schema is required when text.format.type is 'json_schema'",
+                          param="text.format.schema")
+    return _schema(fmt["schema"], "text.format.schema")
 
 
 def extra_structured_outputs(value: Any) -> StructuredOutputsParams | None:

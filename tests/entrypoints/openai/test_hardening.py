@@ -108,7 +108,15 @@ def test_template_kwargs_the_template_does_not_read_change_nothing(http):
 
 
 @pytest.mark.parametrize("text, param", [({"format": "json"}, "text.format"), ({"format": ["x"]}, "text.format"),
-                                         ("json", "text"), ({"format": {"type": "yaml"}}, "text.format.type")])
+                                         ("json", "text"), ({"format": {"type": "yaml"}}, "text.format.type"),
+                                         # OpenAI requires both name and schema here (Chat's schema is optional)
+                                         ({"format": {"type": "json_schema"}}, "text.format.name"),
+                                         ({"format": {"type": "json_schema", "schema": {}}}, "text.format.name"),
+                                         ({"format": {"type": "json_schema", "name": "x"}}, "text.format.schema"),
+                                         ({"format": {"type": "json_schema", "name": "a b", "schema": {}}},
+                                          "text.format.name"),
+                                         ({"format": {"type": "json_schema", "name": 3, "schema": {}}},
+                                          "text.format.name")])
 def test_responses_text_format_must_be_an_object(http, text, param):
     check_error(http.post(RESPONSES, json={"input": "hi", "text": text}), 400, param)
 
