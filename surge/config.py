@@ -9,6 +9,7 @@ import dataclasses
 import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,11 +34,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 @dataclass(frozen=True)
 class ModelConfig:
     model: str  # an HF-format directory
-    hf_config: dict = field(repr=False, hash=False, compare=False)
+    hf_config: dict = field(repr=False, hash=False, compare=False)  # config.json as written
     dtype: torch.dtype
     architecture: str
     max_model_len: int
-    # Per-layer attention kind: "full_attention" or "sliding_attention".
+    # Per-layer attention kind as the config says it: "full_attention" or "sliding_attention" (a model may decide
+    # otherwise for its own layers: the runner reads each attention layer's parameters).
     layer_types: tuple[str, ...]
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
@@ -45,29 +47,45 @@ class ModelConfig:
     # (presets, benchmarks); "weight_cache": mapped from this rank's Fast Start daemon (surge/weight_cache),
     # falling back to the checkpoint as WeightCacheConfig says.
     load_format: str = "safetensors"
+    # The language model's config normalized by transformers (AutoConfig: derived layer_types, standard
+    # rope_parameters, defaults filled in; a VLM's text_config): what models read. Built from hf_config when omitted.
+    text_config: Any = field(default=None, repr=False, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.text_config is None:
+            object.__setattr__(self, "text_config", normalize_hf_config(self.model, self.hf_config))
 
     @property
     def num_layers(self) -> int:
-        return self.hf_config["num_hidden_layers"]
+        return self.text_config.num_hidden_layers
 
     @property
     def num_kv_heads(self) -> int:
-        return self.hf_config.get("num_key_value_heads") or self.hf_config["num_attention_heads"]
+        tc = self.text_config
+        return getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
 
     @property
     def head_dim(self) -> int:
-        cfg = self.hf_config
-        return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        tc = self.text_config
+        return getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config["vocab_size"]
+        return self.text_config.vocab_size
 
     @property
     def num_experts(self) -> int:
         """Routed experts per mixture-of-experts layer; 0 for a dense model. HF configs name it either way."""
-        cfg = self.hf_config
-        return cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        tc = self.text_config
+        return getattr(tc, "num_experts", None) or getattr(tc, "num_local_experts", None) or 0
+
+    @property
+    def quantization_config(self) -> dict | None:
+        return self.hf_config.get("quantization_config")
 
     @staticmethod
     def from_hf_config(model: str, cfg: dict, gen_cfg: dict, dtype: str | torch.dtype, device: torch.device,
@@ -80,35 +98,79 @@ class ModelConfig:
         if not supported:
             raise ValueError(f"model={model!r}: architecture {archs or '(none given)'} is not supported; "
                              f"supported: {', '.join(supported_architectures)}")
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
-            if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+        tc = normalize_hf_config(model, cfg)
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            value = getattr(tc, key, None)
+            if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model={model!r}: config.json field {key!r} must be a positive integer, "
-                                 f"got {cfg.get(key)!r}")
-        num_layers = cfg["num_hidden_layers"]
-        sliding_window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
-        if len(layer_types) != num_layers:
-            raise ValueError(f"model={model!r}: layer_types has {len(layer_types)} entries but "
-                             f"num_hidden_layers is {num_layers}")
-        for t in layer_types:
-            if t not in ("full_attention", "sliding_attention"):
-                raise ValueError(f"model={model!r}: layer type {t!r} is not supported; "
-                                 "supported: full_attention, sliding_attention")
-        if sliding_window is None:  # as in HF: without a window, "sliding" layers attend to everything
-            layer_types = ["full_attention"] * num_layers
-        elif not (isinstance(sliding_window, int) and sliding_window > 0):
-            raise ValueError(f"model={model!r}: sliding_window must be a positive integer, got {sliding_window!r}")
-        if "sliding_attention" not in layer_types:
-            sliding_window = None
-        model_max = cfg.get("max_position_embeddings") or 4096
+                                 f"got {value!r}")
+        layer_types, sliding_window = _layer_types(model, tc)
+        model_max = getattr(tc, "max_position_embeddings", None) or 4096
         if max_model_len is None:
             max_model_len = model_max
         elif not (isinstance(max_model_len, int) and 1 <= max_model_len):
             raise ValueError(f"max_model_len={max_model_len!r} must be a positive integer")
         return ModelConfig(model=model, hf_config=cfg, dtype=resolve_dtype(dtype, device),
                            architecture=supported[0], max_model_len=max_model_len,
-                           layer_types=tuple(layer_types), sliding_window=sliding_window,
-                           eos_token_ids=_eos_token_ids(gen_cfg, cfg), load_format=load_format)
+                           layer_types=layer_types, sliding_window=sliding_window,
+                           eos_token_ids=_eos_token_ids(gen_cfg, cfg), load_format=load_format, text_config=tc)
+
+
+def normalize_hf_config(model: str, cfg: dict) -> Any:
+    """config.json through transformers' own config class (no I/O): the language model's part of it."""
+    from transformers import AutoConfig
+
+    model_type = cfg.get("model_type") or _model_type_of(cfg.get("architectures") or [])
+    if not model_type:
+        raise ValueError(f"model={model!r}: config.json has no 'model_type', and its architectures "
+                         f"{cfg.get('architectures')} name none transformers knows")
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        hf = AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"model={model!r}: config.json (model_type={model_type!r}) is not a config transformers "
+                         f"knows: {e}") from None
+    return hf.get_text_config()
+
+
+def _model_type_of(architectures: list[str]) -> str | None:
+    """An old config.json without model_type: the model type whose causal-LM class the architectures name."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    by_class = {cls: model_type for model_type, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+    return next((by_class[a] for a in architectures if a in by_class), None)
+
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(model: str, tc: Any) -> tuple[tuple[str, ...], int | None]:
+    """Per-layer attention kinds and the window, as HF derives them: the config's layer_types; without them every
+    layer slides when the config class has a sliding_window field and it is set (Mistral), unless
+    use_sliding_window is off."""
+    num_layers = tc.num_hidden_layers
+    window = getattr(tc, "sliding_window", None)
+    declared = "sliding_window" in {f.name for f in dataclasses.fields(type(tc))} if dataclasses.is_dataclass(tc) \
+        else hasattr(type(tc)(), "sliding_window")
+    layer_types = getattr(tc, "layer_types", None)
+    if layer_types is None:
+        slides = declared and window is not None and getattr(tc, "use_sliding_window", True) is not False
+        layer_types = ["sliding_attention" if slides else "full_attention"] * num_layers
+    layer_types = list(layer_types)
+    if len(layer_types) != num_layers:
+        raise ValueError(f"model={model!r}: layer_types has {len(layer_types)} entries but num_hidden_layers is "
+                         f"{num_layers}")
+    for t in layer_types:
+        if t not in _LAYER_TYPES:
+            raise ValueError(f"model={model!r}: layer_types entry {t!r} is not supported; supported: "
+                             f"{', '.join(_LAYER_TYPES)}")
+    if window is None:  # as in HF: without a window, "sliding" layers attend to everything
+        layer_types = ["full_attention"] * num_layers
+    elif not (isinstance(window, int) and window > 0):
+        raise ValueError(f"model={model!r}: sliding_window must be a positive integer, got {window!r}")
+    if "sliding_attention" not in layer_types:
+        window = None
+    return tuple(layer_types), window
 
 
 def _eos_token_ids(gen_cfg: dict, cfg: dict) -> tuple[int, ...]:
@@ -204,27 +266,6 @@ class ParallelConfig:
     @property
     def expert_parallel_size(self) -> int:
         return self.tensor_parallel_size if self.enable_expert_parallel else 1
-
-    def check_model(self, model_config: ModelConfig) -> None:
-        """KV heads (each with its query heads) split over the ranks, unevenly if need be, or are replicated when
-        tp exceeds them; the MLP must split evenly, and so must the experts (their count with expert parallelism,
-        each one's intermediate size without)."""
-        tp, cfg = self.tensor_parallel_size, model_config.hf_config
-        heads, kv_heads = cfg["num_attention_heads"], model_config.num_kv_heads
-        if tp > kv_heads and (tp % kv_heads or heads % tp):
-            raise ValueError(f"tensor_parallel_size={tp} exceeds the model's num_key_value_heads={kv_heads}: it must "
-                             f"be a multiple of them and divide num_attention_heads={heads}")
-        if cfg["intermediate_size"] % tp:
-            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's intermediate_size="
-                             f"{cfg['intermediate_size']}")
-        num_experts = model_config.num_experts
-        if self.enable_expert_parallel and num_experts and num_experts % tp:
-            raise ValueError(f"enable_expert_parallel with tensor_parallel_size={tp}: the model's {num_experts} "
-                             "experts do not split evenly over the ranks")
-        if num_experts and not self.enable_expert_parallel and cfg["moe_intermediate_size"] % tp:
-            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's moe_intermediate_size="
-                             f"{cfg['moe_intermediate_size']} (with --enable-expert-parallel each rank holds whole "
-                             "experts instead)")
 
 
 WEIGHT_CACHE_MODES = ("zero_copy", "copy")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from surge.kernels.reference import rms_norm, rotate_half
+from surge.kernels.reference import rms_norm, rotate
 
 
 @dataclass
@@ -36,16 +36,50 @@ class AttentionMetadata(CommonAttentionMetadata):
         return self.max_query_len == 1
 
 
+@dataclass(frozen=True)
+class AttentionParams:
+    """One attention layer as the kernels see it, bound when the layer is built (per rank: this rank's heads).
+    Layers with equal params share compiled kernel variants; the set of distinct params is what warm-up compiles."""
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float  # softmax scale (head_dim ** -0.5 unless the model says otherwise)
+    sliding_window: int | None = None  # a query sees itself and the sliding_window - 1 positions before it
+    logit_softcap: float | None = None  # scores s -> cap * tanh(s / cap) before masking (Gemma 2)
+    has_sinks: bool = False  # a learned logit per query head joins each softmax's denominator (gpt-oss)
+    causal: bool = True
+    head_dim_v: int | None = None  # values' head size where it differs from keys' (MLA); None: head_dim
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window={self.sliding_window} must be a positive integer")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise ValueError(f"logit_softcap={self.logit_softcap} must be positive")
+        if not self.causal:
+            raise ValueError("non-causal attention is not supported by the paged backends yet")
+        if self.head_dim_v not in (None, self.head_dim):
+            raise ValueError(f"head_dim_v={self.head_dim_v} differs from head_dim={self.head_dim}: not supported yet")
+
+
 @dataclass
 class Prologue:
-    """What q and k go through before the cache write: optional per-head RMSNorm (Qwen3), then rotary embedding.
-    Plain tensors, so a backend may fuse it with the write; `apply` is the unfused reference."""
+    """What q and k go through before the cache write: optional per-head RMSNorm (Qwen3), then rotary embedding
+    over the first `rotary_dim` channels of each head (all of them by default), in the NeoX layout (halves rotated
+    against each other) or, `interleaved`, GPT-J's (pairs of neighbours). Plain tensors, so a backend may fuse it
+    with the write; `apply` is the unfused reference."""
     positions: torch.Tensor  # [T]
-    cos_cache: torch.Tensor  # [max_position, head_dim // 2] float32
+    cos_cache: torch.Tensor  # [max_position, rotary_dim // 2] float32
     sin_cache: torch.Tensor
     q_norm_weight: torch.Tensor | None = None  # RMSNorm over head_dim
     k_norm_weight: torch.Tensor | None = None
     norm_eps: float = 0.0
+    interleaved: bool = False
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.cos_cache.shape[-1]
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.q_norm_weight is not None:
@@ -53,7 +87,12 @@ class Prologue:
         cos = self.cos_cache[self.positions].unsqueeze(1)
         sin = self.sin_cache[self.positions].unsqueeze(1)
         # q and k side by side through one rotation: half the small ops, which dominate at decode batch sizes.
-        qk = rotate_half(torch.cat((q, k), dim=1), cos, sin)
+        qk = torch.cat((q, k), dim=1)
+        rot = self.rotary_dim
+        if rot == qk.shape[-1]:
+            qk = rotate(qk, cos, sin, self.interleaved)
+        else:  # partial rotary: the remaining channels pass through
+            qk = torch.cat((rotate(qk[..., :rot], cos, sin, self.interleaved), qk[..., rot:]), dim=-1)
         return qk[:, :q.shape[1]], qk[:, q.shape[1]:]
 
 
@@ -76,29 +115,19 @@ class AttentionBackend(ABC):
         """Metadata a CUDA graph captures: shaped by capacity, so every replay reuses it."""
         return self.build_metadata(common, slot_mapping, block_table)
 
-    def warm_up(self, device: torch.device, shapes: AttentionShapes, decode_sizes: list[int], max_num_seqs: int,
-                max_workers: int) -> int:
+    def warm_up(self, device: torch.device, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,
+                decode_sizes: list[int], max_num_seqs: int, max_workers: int) -> int:
         """Compile the kernel variants the runtime will dispatch; returns how many were compiled."""
         return 0
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, sliding_window: int | None, scale: float,
-                prologue: Prologue | None = None) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: `kv_cache_shape(...)`; meta: the layer's group's.
-        Applies the prologue to q and k, writes k, v at meta.slot_mapping; returns [T, Hq, D]. A query at position p
-        attends to positions <= p, and with a sliding window only to positions > p - sliding_window."""
-
-
-@dataclass(frozen=True)
-class AttentionShapes:
-    """A model's attention as kernels see it (per rank), for warm-up."""
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-    sliding: tuple[bool, ...]  # which kinds occur: full (False), sliding (True)
+                meta: AttentionMetadata, params: AttentionParams, prologue: Prologue | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: `kv_cache_shape(...)`; meta: the layer's group's; sinks: [Hq]
+        float32 when params.has_sinks. Applies the prologue to q and k, writes k, v at meta.slot_mapping; returns
+        [T, Hq, D]. A query at position p attends to positions <= p, and with a sliding window only to positions
+        > p - sliding_window."""
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from surge.attention.backend import (AttentionBackend, AttentionMetadata, CommonAttentionMetadata, Prologue,
-                                    register_backend)
+from surge.attention.backend import (AttentionBackend, AttentionMetadata, AttentionParams, CommonAttentionMetadata,
+                                    Prologue, register_backend)
 
 
 @dataclass
@@ -49,7 +49,9 @@ class TorchAttentionBackend(AttentionBackend):
                        block_table: torch.Tensor) -> AttentionMetadata:
         return TorchAttentionMetadata(**vars(common), slot_mapping=slot_mapping, block_table=block_table)
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale, prologue=None):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, params: AttentionParams, prologue=None,
+                sinks=None):
+        sliding_window, scale = params.sliding_window, params.scale
         if prologue is not None:
             q, k = _rotate(prologue, q, k, meta)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -58,6 +60,8 @@ class TorchAttentionBackend(AttentionBackend):
         v_slots = v_cache.view(-1, num_kv_heads * head_dim)
         k_slots.index_copy_(0, meta.slot_mapping, k.reshape(k.shape[0], -1))
         v_slots.index_copy_(0, meta.slot_mapping, v.reshape(v.shape[0], -1))
+        if params.logit_softcap is not None or params.has_sinks:
+            return _explicit(q, k_slots, v_slots, meta, params, sinks, k_cache.shape[1])
 
         qsl = meta.query_start_loc
         if meta.decode_only:
@@ -129,13 +133,49 @@ class TorchAttentionBackend(AttentionBackend):
         return out.view(rows, num_heads, head_dim)
 
 
+def _explicit(q, k_slots, v_slots, meta: AttentionMetadata, params: AttentionParams, sinks: torch.Tensor | None,
+              block_size: int) -> torch.Tensor:
+    """Attention with the variants SDPA has no argument for, one request at a time, scores computed in float32:
+    logit soft-capping (s -> cap * tanh(s / cap), before the mask) and sinks (a per-head logit in each softmax's
+    denominator, weighting no value), as HF's eager attention does."""
+    num_kv_heads, head_dim = k_slots.shape[1] // q.shape[2], q.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    qsl = meta.query_start_loc
+    for r in range(meta.num_reqs):
+        start, end = qsl[r], qsl[r + 1]
+        if start == end:
+            continue
+        seq_len = meta.seq_lens[r]
+        window = params.sliding_window
+        first = 0 if window is None else max(0, seq_len - (end - start) - window + 1)
+        k_pos = torch.arange(first, seq_len, device=q.device)
+        slots = _slots_of(meta.block_table[r].long(), k_pos, block_size)
+        keys = k_slots.index_select(0, slots).view(-1, num_kv_heads, head_dim).float()
+        values = v_slots.index_select(0, slots).view(-1, num_kv_heads, head_dim).float()
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * params.scale
+        if params.logit_softcap is not None:
+            scores = torch.tanh(scores / params.logit_softcap) * params.logit_softcap
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        scores = scores.masked_fill(~_visible(q_pos[:, None], k_pos[None, :], window), float("-inf"))
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, end - start, 1)
+            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out
+
+
 def _rotate(prologue: Prologue, q: torch.Tensor, k: torch.Tensor,
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """`prologue.apply` in float32 without a q/k norm, bitwise: x * (cos | cos) + (x2 | x1) * (-sin | sin) is the
     reference's x1 cos - x2 sin | x2 cos + x1 sin (a negated factor and a + (-b) round exactly as a - b). The factors
     are looked up once per step; q and k are one view when k's heads follow q's in memory (the merged projection's
     output), else one cat. Four elementwise ops a layer instead of about twelve (decode: 46 -> 19 us a layer)."""
-    if q.dtype != torch.float32 or prologue.q_norm_weight is not None:
+    if q.dtype != torch.float32 or prologue.q_norm_weight is not None or prologue.interleaved or \
+            prologue.rotary_dim != q.shape[-1]:
         return prologue.apply(q, k)
     num_q_heads = q.shape[1]
     tables = getattr(meta, "rotary", None)

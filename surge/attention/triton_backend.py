@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from surge.attention.backend import AttentionBackend, AttentionMetadata, AttentionShapes, register_backend
+from surge.attention.backend import AttentionBackend, AttentionMetadata, AttentionParams, register_backend
 
 
 # Triton's interpreter runs on the CPU; the split policy then assumes a GPU of this many SMs (an H100/H200).
@@ -31,18 +31,23 @@ class TritonAttentionBackend(AttentionBackend):
             self._kernels[device] = PagedAttention(device, num_sms)
         return self._kernels[device]
 
-    def warm_up(self, device: torch.device, shapes: AttentionShapes, decode_sizes: list[int], max_num_seqs: int,
-                max_workers: int) -> int:
+    def warm_up(self, device: torch.device, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,
+                decode_sizes: list[int], max_num_seqs: int, max_workers: int) -> int:
         """Every attention variant the runtime will dispatch (each decode capture size and the mixed launch, per
-        attention kind), compiled before serving, so no request or graph capture waits for the compiler."""
+        distinct layer), compiled before serving, so no request or graph capture waits for the compiler."""
         if device.type != "cuda":
             return 0
         kernel = self.kernel(device)
-        return kernel.compile_many(warm_up_keys(kernel, shapes, decode_sizes, max_num_seqs), max_workers=max_workers)
+        keys = warm_up_keys(kernel, layers, block_size, dtype, decode_sizes, max_num_seqs)
+        return kernel.compile_many(keys, max_workers=max_workers)
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale, prologue=None):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, params: AttentionParams, prologue=None,
+                sinks=None):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         slots = meta.slot_mapping
+        if prologue is not None and (prologue.interleaved or prologue.rotary_dim != q.shape[-1]):
+            q, k = prologue.apply(q, k)  # layouts the fused kernel does not take: rotated apart, then written
+            prologue = None
         if prologue is None:
             from surge.kernels.kv_cache import write_kv_cache
             write_kv_cache(k, v, k_cache, v_cache, slots)
@@ -52,18 +57,20 @@ class TritonAttentionBackend(AttentionBackend):
                             slots, prologue.q_norm_weight, prologue.k_norm_weight, prologue.norm_eps)
         return self.kernel(q.device)(
             q, k_cache, v_cache, meta.block_table, meta.seq_lens_t, meta.query_start_loc_t,
-            num_seqs=meta.num_reqs, decode_only=meta.decode_only, sliding_window=sliding_window,
-            scale=scale)
+            num_seqs=meta.num_reqs, decode_only=meta.decode_only, sliding_window=params.sliding_window,
+            scale=params.scale, logit_softcap=params.logit_softcap, sinks=sinks)
 
 
-def warm_up_keys(kernel, shapes: AttentionShapes, decode_sizes: list[int], max_num_seqs: int) -> list:
-    """The launch keys of every attention variant the runtime dispatches: per attention kind, the few-token and the
+def warm_up_keys(kernel, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,
+                 decode_sizes: list[int], max_num_seqs: int) -> list:
+    """The launch keys of every attention variant the runtime dispatches: per distinct layer, the few-token and the
     general mixed launch and each decode capture size (repeats collapse in the kernel's cache)."""
     from surge.kernels.attention import FEW_TOKENS
 
-    return [kernel.dispatch(decode_only=decode, num_seqs=n, num_q_heads=shapes.num_q_heads,
-                            num_kv_heads=shapes.num_kv_heads, head_dim=shapes.head_dim, block_size=shapes.block_size,
-                            dtype=shapes.dtype, sliding=sliding, num_tokens=t)
-            for sliding in shapes.sliding
+    return [kernel.dispatch(decode_only=decode, num_seqs=n, num_q_heads=p.num_heads, num_kv_heads=p.num_kv_heads,
+                            head_dim=p.head_dim, block_size=block_size, dtype=dtype,
+                            sliding=p.sliding_window is not None, softcap=p.logit_softcap is not None,
+                            sinks=p.has_sinks, num_tokens=t)
+            for p in layers
             for decode, n, t in [(False, max_num_seqs, FEW_TOKENS), (False, max_num_seqs, None)]
             + [(True, n, None) for n in decode_sizes]]

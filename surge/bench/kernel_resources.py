@@ -102,17 +102,18 @@ def _runtime_strides(key) -> dict[str, int]:
 
 def attention_variants(preset: str, num_sms: int, max_num_seqs: int) -> list:
     """The preset's attention launch keys as the warm-up makes them (bf16, 16-token cache blocks), distinct."""
-    from surge.attention.backend import AttentionShapes
     from surge.attention.triton_backend import warm_up_keys
     from surge.kernels.attention import PagedAttention
+    from surge.model.loader.base import build_model
     from surge.model.presets import preset_model_config
     from surge.worker.cuda_graph import capture_sizes
+    from surge.worker.model_runner import distinct_attention_params
 
     mc = preset_model_config(preset, "bfloat16", torch.device("cpu"), 4096)
-    shapes = AttentionShapes(mc.hf_config["num_attention_heads"], mc.num_kv_heads, mc.head_dim, 16, torch.bfloat16,
-                             tuple(sorted({t == "sliding_attention" for t in mc.layer_types})))
+    layers = distinct_attention_params(build_model(mc, torch.device("meta")))
     kernel = PagedAttention(torch.device("cpu"), num_sms)
-    return list(dict.fromkeys(warm_up_keys(kernel, shapes, capture_sizes(max_num_seqs), max_num_seqs)))
+    keys = warm_up_keys(kernel, layers, 16, torch.bfloat16, capture_sizes(max_num_seqs), max_num_seqs)
+    return list(dict.fromkeys(keys))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,6 +5,8 @@ the single-rank path never touches torch.distributed.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -85,6 +87,21 @@ def get_tp_group() -> TPGroup:
 
 def get_ep_group() -> TPGroup:
     return _EP
+
+
+@contextlib.contextmanager
+def layout_of_rank(parallel: ParallelConfig, rank: int) -> Iterator[None]:
+    """Within it, the groups report `rank` of `parallel`'s ranks without any process group: for building a rank's
+    model on the meta device to read its shapes (a rank's KV cache groups in the engine process). Collectives must
+    not run inside."""
+    global _TP, _EP
+    saved = _TP, _EP
+    _TP = TPGroup(rank=rank, world_size=parallel.tensor_parallel_size)
+    _EP = _TP if parallel.enable_expert_parallel else TPGroup()
+    try:
+        yield
+    finally:
+        _TP, _EP = saved
 
 
 def init_distributed(parallel: ParallelConfig, rank: int, device: torch.device) -> None:

@@ -19,7 +19,7 @@ from surge.config import (CUDA_GRAPH_CAPTURE_MODES, WEIGHT_CACHE_MODES, CacheCon
                           ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
                           WeightCacheConfig)
 from surge.model.loader.base import load_formats
-from surge.model.models.registry import MODEL_REGISTRY
+from surge.model.models.registry import MODEL_REGISTRY, get_model_class
 from surge.model.presets import PRESETS, preset_model_config
 from surge.structured_output.reasoning import REASONING_MARKERS
 
@@ -173,7 +173,7 @@ class EngineArgs:
                                          node_rank=self.node_rank, master_addr=self.master_addr,
                                          master_port=self.master_port,
                                          enable_expert_parallel=self.enable_expert_parallel)
-        parallel_config.check_model(model_config)
+        get_model_class(model_config.architecture).check_parallel(model_config, parallel_config)
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)

@@ -244,6 +244,8 @@ class AttentionKey:
     block_size: int
     sliding: bool
     launch: AttentionLaunch
+    softcap: bool = False  # scores soft-capped: cap * tanh(s / cap)
+    sinks: bool = False  # a per-head sink logit joins the softmax denominator
 
 
 class PagedAttention(CompiledKernel):
@@ -254,18 +256,22 @@ class PagedAttention(CompiledKernel):
         self.device, self.num_sms = device, num_sms
 
     def dispatch(self, *, decode_only: bool, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 block_size: int, dtype: torch.dtype, sliding: bool, num_tokens: int | None = None) -> AttentionKey:
+                 block_size: int, dtype: torch.dtype, sliding: bool, num_tokens: int | None = None,
+                 softcap: bool = False, sinks: bool = False) -> AttentionKey:
         launch = launch_policy(decode_only=decode_only, num_seqs=num_seqs, num_q_heads=num_q_heads,
                                num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, num_sms=self.num_sms,
                                num_tokens=num_tokens)
-        return AttentionKey(dtype, num_q_heads, num_kv_heads, head_dim, block_size, sliding, launch)
+        return AttentionKey(dtype, num_q_heads, num_kv_heads, head_dim, block_size, sliding, launch, softcap, sinks)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, num_seqs: int, decode_only: bool,
-                 sliding_window: int | None, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                 sliding_window: int | None, scale: float, out: torch.Tensor | None = None,
+                 logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (same strides); block_table:
         [num_seqs, max_blocks] int32; seq_lens: [num_seqs] (tokens in the cache after this step, including this
         step's); query_start_loc: [num_seqs + 1] int32. decode_only: every request has exactly one query token."""
+        if logit_softcap is not None or sinks is not None:
+            raise NotImplementedError("logit soft-capping and attention sinks are not in the Triton kernel yet")
         num_tokens, num_q_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         key = self.dispatch(decode_only=decode_only, num_seqs=num_seqs, num_q_heads=num_q_heads,

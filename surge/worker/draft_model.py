@@ -22,12 +22,11 @@ from collections import Counter
 import numpy as np
 import torch
 
-from surge.attention.backend import AttentionBackend, AttentionShapes
+from surge.attention.backend import AttentionBackend
 from surge.config import EngineConfig
 from surge.core.kv_cache.spec import KVCacheConfig, build_kv_cache_groups
 from surge.distributed.parallel_state import get_tp_group
 from surge.logger import init_logger
-from surge.model.layers.linear import num_kv_heads_per_rank
 from surge.model.layers.sampler import device_tensor
 from surge.model.loader.base import load_model
 from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
@@ -67,9 +66,7 @@ class DraftModel:
 
     def _groups(self, block_size: int):
         mc = self.config.model_config
-        kv_heads = num_kv_heads_per_rank(mc.num_kv_heads, self.config.parallel_config.tensor_parallel_size,
-                                         self.tp.rank)
-        return build_kv_cache_groups(mc.layer_types, mc.sliding_window, block_size, kv_heads, mc.head_dim, mc.dtype)
+        return build_kv_cache_groups([attn.kv_cache_spec(block_size, mc.dtype) for attn in self.model.attention_layers()])
 
     def bind_kv_cache(self, target: KVCacheConfig, backend: AttentionBackend) -> None:
         """One cache tensor per draft layer, addressed through the target group of the same attention kind."""
@@ -77,14 +74,14 @@ class DraftModel:
         self.backend = backend
         windows = {getattr(g.spec, "sliding_window", None): g.group_id for g in target.groups}
         for layer_id, attn in enumerate(self.model.attention_layers()):
-            window = mc.sliding_window if mc.layer_types[layer_id] == "sliding_attention" else None
+            window = attn.sliding_window
             if window not in windows:
                 kind = "full attention" if window is None else f"a sliding window of {window}"
                 raise ValueError(f"speculative_config.model={self.config.model_config.model!r}: its layer {layer_id} "
                                  f"has {kind}, which no KV cache group of the target has (the draft shares the "
                                  "target's block tables)")
             group = target.groups[windows[window]]
-            shape = backend.kv_cache_shape(target.num_blocks, group.spec.block_size, attn.num_kv_heads, mc.head_dim)
+            shape = backend.kv_cache_shape(target.num_blocks, group.spec.block_size, attn.num_kv_heads, attn.head_dim)
             cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
             attn.kv_cache, attn.group_id, attn.backend = cache, group.group_id, backend
             self.kv_caches.append(cache)
@@ -107,11 +104,10 @@ class DraftModel:
 
     def _warm_up(self, backend: AttentionBackend) -> None:
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
-        attn = self.model.attention_layers()[0]
-        shapes = AttentionShapes(attn.num_heads, attn.num_kv_heads, mc.head_dim, cc.block_size, mc.dtype,
-                                 tuple(sorted({t == "sliding_attention" for t in mc.layer_types})))
+        params = tuple(dict.fromkeys(attn.params for attn in self.model.attention_layers()))
         sizes = capture_sizes(sc.max_num_seqs) if not self.config.enforce_eager else []
-        backend.warm_up(self.device, shapes, sizes, sc.max_num_seqs, self.config.warmup_workers)
+        backend.warm_up(self.device, params, cc.block_size, mc.dtype, sizes, sc.max_num_seqs,
+                        self.config.warmup_workers)
 
     def forward_step(self, inputs: StepInputs, num_tokens: int, meta) -> None:
         """The step's tokens through the draft, with the target's inputs and metadata: its KV for them. A graph

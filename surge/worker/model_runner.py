@@ -17,20 +17,19 @@ import msgspec
 import numpy as np
 import torch
 
-from surge.attention.backend import AttentionMetadata, AttentionShapes, default_backend_name, get_backend
+from surge.attention.backend import AttentionMetadata, default_backend_name, get_backend
 from surge.config import EngineConfig
 from surge.core.kv_cache.spec import KVCacheConfig, KVCacheGroup, build_kv_cache_groups
 from surge.core.kv_connector import KVConnectorOutput
 from surge.core.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
-from surge.distributed.parallel_state import get_tp_group
+from surge.distributed.parallel_state import get_tp_group, layout_of_rank
 from surge.kernels.token_bitmask import apply_token_bitmask_, bitmask_to_device
 from surge.kernels.triton_key import use_cached_triton_key
 from surge.kv_transfer.base import KVConnectorRole
 from surge.kv_transfer.factory import create_connector
 from surge.logger import init_logger
-from surge.model.layers.linear import num_kv_heads_per_rank
 from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs, device_tensor
-from surge.model.loader.base import load_model
+from surge.model.loader.base import build_model, load_model
 from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from surge.worker.request_state import CachedRequestState, RequestStates
 from surge.worker.draft_model import DraftModel
@@ -71,12 +70,25 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def kv_cache_groups(config: EngineConfig, rank: int = 0) -> tuple[KVCacheGroup, ...]:
-    """The KV cache groups of one rank: its share of the KV heads (the block count is the same on every rank: the
-    smallest any rank can hold; rank 0 holds the most heads when they do not split evenly)."""
-    mc, cc = config.model_config, config.cache_config
-    kv_heads = num_kv_heads_per_rank(mc.num_kv_heads, config.parallel_config.tensor_parallel_size, rank)
-    return build_kv_cache_groups(mc.layer_types, mc.sliding_window, cc.block_size, kv_heads, mc.head_dim, mc.dtype)
+def kv_cache_groups(config: EngineConfig, rank: int = 0, model: torch.nn.Module | None = None
+                    ) -> tuple[KVCacheGroup, ...]:
+    """The KV cache groups of one rank: one per distinct spec its attention layers declare (its share of the KV heads;
+    the block count is the same on every rank: the smallest any rank can hold). Without the rank's model, from a
+    build of it on the meta device (no weights, no memory)."""
+    if model is None:
+        with layout_of_rank(config.parallel_config, rank):
+            model = build_model(config.model_config, torch.device("meta"))
+    return build_kv_cache_groups(layer_kv_specs(model, config))
+
+
+def layer_kv_specs(model: torch.nn.Module, config: EngineConfig) -> list:
+    cc, mc = config.cache_config, config.model_config
+    return [attn.kv_cache_spec(cc.block_size, mc.dtype) for attn in model.attention_layers()]
+
+
+def distinct_attention_params(model: torch.nn.Module) -> tuple:
+    """The model's attention layers' distinct parameters, in layer order: what kernel warm-up compiles."""
+    return tuple(dict.fromkeys(attn.params for attn in model.attention_layers()))
 
 
 @dataclass
@@ -162,12 +174,10 @@ class ModelRunner:
         """Compile every kernel variant the runtime will dispatch before serving, so no request or graph capture
         waits for the compiler."""
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
-        attn = self.model.attention_layers()[0]
-        shapes = AttentionShapes(attn.num_heads, attn.num_kv_heads, mc.head_dim, cc.block_size, mc.dtype,
-                                 tuple(sorted({t == "sliding_attention" for t in mc.layer_types})))
         sizes = capture_sizes(sc.max_num_seqs) if not self.config.enforce_eager else []
         start = time.perf_counter()
-        compiled = self.backend.warm_up(self.device, shapes, sizes, sc.max_num_seqs, self.config.warmup_workers)
+        compiled = self.backend.warm_up(self.device, distinct_attention_params(self.model), cc.block_size, mc.dtype, sizes,
+                                        sc.max_num_seqs, self.config.warmup_workers)
         seconds = time.perf_counter() - start
         if compiled:
             logger.info("kernel warm-up: %d attention variant(s) compiled in %.2f s with up to %d worker(s)",
@@ -186,7 +196,7 @@ class ModelRunner:
 
     def _size_kv_cache(self) -> KVCacheConfig:
         mc, cc = self.config.model_config, self.config.cache_config
-        groups = kv_cache_groups(self.config, self.tp.rank)
+        groups = kv_cache_groups(self.config, self.tp.rank, self.model)
         probe = KVCacheConfig(groups, num_blocks=2)
         bytes_per_block = probe.bytes_per_block + (self.draft.bytes_per_block(cc.block_size) if self.draft else 0)
         if cc.num_gpu_blocks_override is not None:
@@ -220,7 +230,7 @@ class ModelRunner:
             shape = self.backend.kv_cache_shape(kvc.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
             # Not zeroed: no backend reads a slot no request wrote (both are tested with NaN there), and a fill would
             # touch every page of the budget before the first request (seconds for a few GiB on some CPU hosts).
-            cache = torch.empty(shape, dtype=mc.dtype, device=self.device)
+            cache = torch.empty(shape, dtype=spec.dtype, device=self.device)
             attn.kv_cache, attn.group_id, attn.backend = cache, group.group_id, self.backend
             self.kv_caches.append(cache)
 

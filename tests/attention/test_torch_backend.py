@@ -8,11 +8,16 @@ import math
 import pytest
 import torch
 
-from surge.attention.backend import CommonAttentionMetadata, Prologue
+from surge.attention.backend import AttentionParams, CommonAttentionMetadata, Prologue
 from surge.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata, _rotate
 from surge.model.layers.rotary import RotaryEmbedding
 
 BLOCK = 4
+
+
+def params(q, cache, window, scale):
+    """The layer parameters of q [T, Hq, D] over cache [2, N, B, Hkv, D]."""
+    return AttentionParams(q.shape[1], cache.shape[3], q.shape[2], scale, window)
 
 
 def _batch(requests, num_q_heads, num_kv_heads, head_dim, window, seed):
@@ -53,7 +58,7 @@ def _batch(requests, num_q_heads, num_kv_heads, head_dim, window, seed):
     return q, k_new, v_new, cache, common, torch.tensor(slots), tables, keys, values
 
 
-def _reference(q, keys, values, requests, window, scale):
+def _reference(q, keys, values, requests, window, scale, softcap=None, sinks=None):
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // keys[0].shape[1]
     t = 0
@@ -63,7 +68,13 @@ def _reference(q, keys, values, requests, window, scale):
             pos = ctx + i
             lo = 0 if window is None else max(0, pos - window + 1)
             scores = torch.einsum("hd,khd->hk", q[t].double(), k[lo:pos + 1]) * scale
-            out[t] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[lo:pos + 1])
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            if sinks is None:
+                probs = scores.softmax(-1)
+            else:  # exp(s) / (sum exp(s) + exp(sink)): the sink takes probability and gives no value
+                probs = scores.exp() / (scores.exp().sum(-1, keepdim=True) + sinks.double().exp()[:, None])
+            out[t] = torch.einsum("hk,khd->hd", probs, v[lo:pos + 1])
             t += 1
     return out
 
@@ -75,6 +86,22 @@ PREFILL = [(0, 9), (13, 6)]
 FRESH = [(0, 5), (0, 5), (0, 5), (0, 8), (0, 8), (3, 5), (0, 5), (0, 1)]  # runs of equal fresh prompts, batched
 
 
+@pytest.mark.parametrize("requests", [DECODE, MIXED, PREFILL], ids=["decode", "mixed", "prefill"])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("softcap, with_sinks", [(2.0, False), (None, True), (1.5, True)])
+def test_softcap_and_sinks_match_reference(requests, window, softcap, with_sinks):
+    q, k, v, cache, common, slots, tables, keys, values = _batch(requests, 6, 2, 16, window, seed=5)
+    q = q * 3  # scores large enough for the cap to bite
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(3)) if with_sinks else None
+    backend = TorchAttentionBackend()
+    meta = backend.build_metadata(common, slots, tables)
+    layer = AttentionParams(6, 2, 16, 0.25, window, logit_softcap=softcap, has_sinks=with_sinks)
+    got = backend.forward(q, k, v, cache, meta, layer, None, sinks)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), _reference(q, keys, values, requests, window, 0.25, softcap, sinks),
+                               atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("requests", [DECODE, EQUAL, MIXED, PREFILL, FRESH],
                          ids=["decode", "equal", "mixed", "prefill", "fresh"])
 @pytest.mark.parametrize("heads,window", [((4, 2), None), ((6, 2), 7), ((2, 2), 3), ((3, 1), 16), ((6, 2), 21)])
@@ -83,7 +110,7 @@ def test_matches_reference_with_nan_in_unwritten_slots(requests, heads, window):
     backend = TorchAttentionBackend()
     meta = backend.build_metadata(common, slots, tables)
     before = cache.clone()
-    got = backend.forward(q, k, v, cache, meta, window, 16 ** -0.5)
+    got = backend.forward(q, k, v, cache, meta, params(q, cache, window, 16 ** -0.5))
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), _reference(q, keys, values, requests, window, 16 ** -0.5),
                                atol=1e-5, rtol=1e-5)
@@ -100,7 +127,7 @@ def test_half_precision_decode_matches_reference(dtype):
     q, k, v, cache, common, slots, tables, keys, values = _batch(DECODE, 4, 2, 16, None, seed=5)
     backend = TorchAttentionBackend()
     meta = backend.build_metadata(common, slots, tables)
-    got = backend.forward(q.to(dtype), k.to(dtype), v.to(dtype), cache.to(dtype), meta, None, 0.25)
+    got = backend.forward(q.to(dtype), k.to(dtype), v.to(dtype), cache.to(dtype), meta, params(q, cache, None, 0.25))
     ref = _reference(q.to(dtype).double(), [t.to(dtype).double() for t in keys],
                      [t.to(dtype).double() for t in values], DECODE, None, 0.25)
     torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
@@ -110,12 +137,12 @@ def test_layers_of_a_group_share_one_decode_plan():
     q, k, v, cache, common, slots, tables, _, _ = _batch(DECODE, 4, 2, 16, None, seed=2)
     backend = TorchAttentionBackend()
     meta = backend.build_metadata(common, slots, tables)
-    first = backend.forward(q, k, v, cache, meta, None, 0.25)
+    first = backend.forward(q, k, v, cache, meta, params(q, cache, None, 0.25))
     plan = meta.plans[None]
-    second = backend.forward(q, k, v, cache.clone(), meta, None, 0.25)
+    second = backend.forward(q, k, v, cache.clone(), meta, params(q, cache, None, 0.25))
     assert meta.plans[None] is plan and torch.equal(first, second)
     # A sliding window is another plan (another mask) over the same metadata.
-    backend.forward(q, k, v, cache.clone(), meta, 5, 0.25)
+    backend.forward(q, k, v, cache.clone(), meta, params(q, cache, 5, 0.25))
     assert set(meta.plans) == {None, 5}
 
 

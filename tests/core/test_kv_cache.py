@@ -17,7 +17,7 @@ from surge.core.kv_cache.block_pool import BlockPool
 from surge.core.kv_cache.hashing import hash_block_tokens
 from surge.core.kv_cache.manager import KVCacheManager
 from surge.core.kv_cache.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheSpec,
-                                      build_kv_cache_groups)
+                                      SlidingWindowSpec, build_kv_cache_groups)
 from surge.core.request import Request
 from surge.sampling_params import SamplingParams
 
@@ -31,11 +31,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 def full_groups() -> tuple[KVCacheGroup, ...]:
-    return build_kv_cache_groups(("full_attention",), None, BS, 2, 8, torch.float32)
+    return build_kv_cache_groups([FullAttentionSpec(BS, 2, 8, torch.float32)])
 
 
 def hybrid_groups(window: int = WINDOW) -> tuple[KVCacheGroup, ...]:
-    return build_kv_cache_groups(("sliding_attention", "full_attention"), window, BS, 2, 8, torch.float32)
+    return build_kv_cache_groups([SlidingWindowSpec(BS, 2, 8, torch.float32, sliding_window=window),
+                                  FullAttentionSpec(BS, 2, 8, torch.float32)])
 
 
 def make_request(rid: str, tokens: list[int], **params) -> Request:

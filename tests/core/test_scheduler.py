@@ -11,7 +11,7 @@ import torch
 
 from surge.config import SchedulerConfig
 from surge.core.kv_cache.manager import KVCacheManager
-from surge.core.kv_cache.spec import KVCacheConfig, SlidingWindowSpec, build_kv_cache_groups
+from surge.core.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, build_kv_cache_groups
 from surge.core.scheduler import Scheduler, SchedulerOutput
 from surge.core.request import Request, RequestStatus
 from surge.sampling_params import SamplingParams
@@ -48,10 +48,10 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 16, **params) ->
 def make_scheduler(num_blocks: int = 64, enable_caching: bool = False, hybrid_window: int | None = None,
                    num_device_drafts: int = 0, **config) -> Scheduler:
     if hybrid_window is None:
-        groups = build_kv_cache_groups(("full_attention",), None, BS, 2, 8, torch.float32)
+        groups = build_kv_cache_groups([FullAttentionSpec(BS, 2, 8, torch.float32)])
     else:
-        groups = build_kv_cache_groups(("sliding_attention", "full_attention"), hybrid_window, BS, 2, 8,
-                                       torch.float32)
+        groups = build_kv_cache_groups([SlidingWindowSpec(BS, 2, 8, torch.float32, sliding_window=hybrid_window),
+                                        FullAttentionSpec(BS, 2, 8, torch.float32)])
     config = {"max_num_batched_tokens": 64, "max_num_seqs": 8, "max_model_len": 64, **config}
     return Scheduler(SchedulerConfig(**config), KVCacheManager(KVCacheConfig(groups, num_blocks), enable_caching),
                      num_device_drafts=num_device_drafts)

@@ -7,6 +7,7 @@ import torch
 from surge.config import ModelConfig, ParallelConfig
 from surge.distributed.ranks import (global_rank, local_world_size, node_and_local_rank, node_leader_ranks,
                                      node_ranks)
+from surge.model.models.llama import LlamaForCausalLM
 
 
 def test_tp8_over_two_nodes():
@@ -59,18 +60,22 @@ def _model(heads: int, kv_heads: int, intermediate: int = 144) -> ModelConfig:
                                       supported_architectures=["LlamaForCausalLM"])
 
 
+def check(parallel: ParallelConfig, model: ModelConfig) -> None:
+    LlamaForCausalLM.check_parallel(model, parallel)
+
+
 def test_model_must_split_over_ranks():
     # The default model (SmolLM2-135M) has 9 heads and 3 KV heads: tp=2 splits its KV heads 2 + 1.
-    ParallelConfig(tensor_parallel_size=2).check_model(_model(9, 3))
-    ParallelConfig(tensor_parallel_size=3).check_model(_model(9, 3))
+    check(ParallelConfig(tensor_parallel_size=2), _model(9, 3))
+    check(ParallelConfig(tensor_parallel_size=3), _model(9, 3))
     with pytest.raises(ValueError, match="num_key_value_heads=3"):  # 6 ranks cannot share 3 KV heads of 9 heads
-        ParallelConfig(tensor_parallel_size=6).check_model(_model(9, 3))
-    ParallelConfig(tensor_parallel_size=9).check_model(_model(9, 3))  # 3 ranks share each KV head
-    ParallelConfig(tensor_parallel_size=4).check_model(_model(4, 1))
+        check(ParallelConfig(tensor_parallel_size=6), _model(9, 3))
+    check(ParallelConfig(tensor_parallel_size=9), _model(9, 3))  # 3 ranks share each KV head
+    check(ParallelConfig(tensor_parallel_size=4), _model(4, 1))
     with pytest.raises(ValueError, match="num_key_value_heads=4"):  # 6 ranks cannot share 4 KV heads evenly
-        ParallelConfig(tensor_parallel_size=6).check_model(_model(12, 4, intermediate=120))
+        check(ParallelConfig(tensor_parallel_size=6), _model(12, 4, intermediate=120))
     with pytest.raises(ValueError, match="intermediate_size=130"):
-        ParallelConfig(tensor_parallel_size=4).check_model(_model(4, 2, intermediate=130))
+        check(ParallelConfig(tensor_parallel_size=4), _model(4, 2, intermediate=130))
 
 
 @pytest.mark.parametrize("heads, kv_heads, tp", [(9, 3, 2), (9, 3, 3), (8, 8, 3), (32, 8, 8), (16, 2, 8), (4, 1, 4),

@@ -7,12 +7,17 @@ import math
 import pytest
 import torch
 
-from surge.attention.backend import AttentionMetadata
+from surge.attention.backend import AttentionMetadata, AttentionParams
 from surge.attention.torch_backend import TorchAttentionBackend
 
 # (context tokens already cached, new tokens this step) per request
 MIXED = [(0, 1), (16, 1), (38, 1), (0, 7), (21, 12), (5, 33)]
 DECODE = [(0, 1), (16, 1), (38, 1), (70, 1)]
+
+
+def params(q, cache, window, scale):
+    """The layer parameters of q [T, Hq, D] over cache [2, N, B, Hkv, D]."""
+    return AttentionParams(q.shape[1], cache.shape[3], q.shape[2], scale, window)
 
 
 def _batch(requests, block_size, num_q_heads, num_kv_heads, head_dim, dtype, device, seed):
@@ -76,7 +81,7 @@ def _run_triton(q, k, v, cache, meta, window, scale, num_sms=None):
     if num_sms is not None:
         from surge.kernels.attention import PagedAttention
         backend._kernels[q.device] = PagedAttention(q.device, num_sms)
-    return backend.forward(q, k, v, cache, meta, window, scale)
+    return backend.forward(q, k, v, cache, meta, params(q, cache, window, scale))
 
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -99,7 +104,7 @@ def test_attention_matches_references(requests, block_size, heads, head_dim, win
     q, k, v, cache, meta, full_k, full_v = _batch(requests, block_size, *heads, head_dim, dtype, device, seed=7)
     scale = head_dim ** -0.5
     zeroed = torch.nan_to_num(cache, nan=0.0)  # the torch backend reads masked slots: it needs a zeroed cache
-    expected = TorchAttentionBackend().forward(q, k, v, zeroed, meta, window, scale)
+    expected = TorchAttentionBackend().forward(q, k, v, zeroed, meta, params(q, cache, window, scale))
     got = _run_triton(q, k, v, cache, meta, window, scale)
     assert not got.isnan().any(), "NaN from unwritten slots leaked into the output"
     # The KV write put the new tokens exactly where the torch backend did; untouched slots kept their NaN.

@@ -15,7 +15,7 @@ from surge.engine.args import read_model_config
 from surge.model.layers.moe import select_experts
 from surge.model.loader.base import build_model
 from surge.model.loader.safetensors_loader import iterate_safetensors, load_weights
-from surge.model.models.qwen3_moe import is_sparse_layer
+from surge.model.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 from tiny_models import make_tiny_model
 
 
@@ -42,7 +42,7 @@ def test_sparse_layers_as_hf_decides(step, dense):
                          num_experts=4, num_experts_per_tok=2, decoder_sparse_step=step, mlp_only_layers=dense)
     hf = AutoModelForCausalLM.from_config(cfg)
     expected = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in hf.model.layers]
-    assert [is_sparse_layer(cfg.to_dict(), i) for i in range(6)] == expected
+    assert [is_sparse_layer(cfg, i) for i in range(6)] == expected
     assert any(expected) and not all(expected) or step == 1 and not dense
 
 
@@ -70,13 +70,15 @@ def test_per_expert_and_stacked_checkpoints_load_alike(tmp_path):
 def test_parallel_config_checks_the_experts(tmp_path):
     mc = read_model_config(make_tiny_model("qwen3-moe", tmp_path / "m"), "float32", torch.device("cpu"))
     assert mc.num_experts == 8
-    ParallelConfig(tensor_parallel_size=2).check_model(mc)  # moe_intermediate_size 32 splits in two
-    ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).check_model(mc)
-    six = dataclasses.replace(mc, hf_config={**mc.hf_config, "num_local_experts": 6, "moe_intermediate_size": 30})
-    ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).check_model(six)
+    check = Qwen3MoeForCausalLM.check_parallel
+    check(mc, ParallelConfig(tensor_parallel_size=2))  # moe_intermediate_size 32 splits in two
+    check(mc, ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True))
+    six = dataclasses.replace(mc, hf_config={**mc.hf_config, "num_local_experts": 6, "moe_intermediate_size": 30},
+                              text_config=None)  # normalized again from the new config.json
+    check(six, ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True))
     with pytest.raises(ValueError, match="6 experts do not split evenly"):
-        ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True).check_model(six)
+        check(six, ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True))
     with pytest.raises(ValueError, match="moe_intermediate_size=30"):
-        ParallelConfig(tensor_parallel_size=4).check_model(six)
+        check(six, ParallelConfig(tensor_parallel_size=4))
     with pytest.raises(ValueError, match="enable_expert_parallel"):
         ParallelConfig(enable_expert_parallel="yes")

@@ -10,7 +10,7 @@ import torch
 
 from surge.config import SchedulerConfig
 from surge.core.kv_cache.manager import KVCacheManager
-from surge.core.kv_cache.spec import KVCacheConfig, build_kv_cache_groups
+from surge.core.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, build_kv_cache_groups
 from surge.core.request import Request, RequestStatus
 from surge.core.scheduler import Scheduler
 from surge.core.scheduler_output import SchedulerOutput
@@ -50,7 +50,7 @@ def _runner_view(states: RequestStates, out: SchedulerOutput) -> list[tuple]:
 
 def test_runner_state_follows_the_scheduler():
     rng = random.Random(0)
-    groups = build_kv_cache_groups(("sliding_attention", "full_attention"), 8, 4, 2, 8, torch.float32)
+    groups = build_kv_cache_groups([SlidingWindowSpec(4, 2, 8, torch.float32, sliding_window=8), FullAttentionSpec(4, 2, 8, torch.float32)])
     # Few blocks and a small budget: chunked prefill and preemption both happen.
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64),
                       KVCacheManager(KVCacheConfig(groups, 18), enable_caching=True))
@@ -86,7 +86,7 @@ def test_runner_state_follows_the_scheduler():
 def test_recomputed_request_samples_only_at_its_end():
     """After preemption a request recomputes its tokens in chunks; a chunk that ends before its last known token
     must not sample (the engine already holds the tokens it would produce); the runner keeps its RNG meanwhile."""
-    groups = build_kv_cache_groups(("full_attention",), None, 4, 2, 8, torch.float32)
+    groups = build_kv_cache_groups([FullAttentionSpec(4, 2, 8, torch.float32)])
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=2, max_model_len=64),
                       KVCacheManager(KVCacheConfig(groups, 8), enable_caching=False))
     states = RequestStates(len(groups), torch.device("cpu"))

@@ -92,17 +92,10 @@ class KVCacheConfig:
         raise KeyError(layer_id)
 
 
-def build_kv_cache_groups(layer_types: tuple[str, ...], sliding_window: int | None, block_size: int,
-                          num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[KVCacheGroup, ...]:
-    """One group per attention kind present in the model, in order of first appearance."""
-    specs: dict[str, KVCacheSpec] = {}
-    layers: dict[str, list[int]] = {}
-    for layer_id, kind in enumerate(layer_types):
-        if kind not in specs:
-            if kind == "sliding_attention":
-                specs[kind] = SlidingWindowSpec(block_size, num_kv_heads, head_dim, dtype, sliding_window=sliding_window)
-            else:
-                specs[kind] = FullAttentionSpec(block_size, num_kv_heads, head_dim, dtype)
-            layers[kind] = []
-        layers[kind].append(layer_id)
-    return tuple(KVCacheGroup(i, specs[k], tuple(layers[k])) for i, k in enumerate(specs))
+def build_kv_cache_groups(layer_specs: list[KVCacheSpec] | tuple[KVCacheSpec, ...]) -> tuple[KVCacheGroup, ...]:
+    """One group per distinct spec among the layers (each layer's own, as its attention layer declares it), in order
+    of first appearance: full and sliding layers, or two sliding windows, get groups of their own."""
+    layers: dict[KVCacheSpec, list[int]] = {}
+    for layer_id, spec in enumerate(layer_specs):
+        layers.setdefault(spec, []).append(layer_id)
+    return tuple(KVCacheGroup(i, spec, tuple(ids)) for i, (spec, ids) in enumerate(layers.items()))

@@ -1,25 +1,57 @@
-"""Attention layer: binds one decoder layer to its KV cache tensor and its group, and calls the backend."""
+"""Attention layer: one decoder layer's attention parameters (bound at construction), its KV cache spec, and, once
+the runner allocates the cache, its cache tensor and group; forward calls the backend."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from surge.attention.backend import AttentionBackend, AttentionMetadata, Prologue
+from surge.attention.backend import AttentionBackend, AttentionMetadata, AttentionParams, Prologue
+from surge.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None, *,
+                 scale: float | None = None, logit_softcap: float | None = None, has_sinks: bool = False) -> None:
+        """num_heads, num_kv_heads: this rank's. has_sinks: a learned per-head logit, the `sinks` parameter."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.sliding_window = sliding_window
-        self.scale = head_dim ** -0.5
+        self.params = AttentionParams(num_heads, num_kv_heads, head_dim,
+                                      head_dim ** -0.5 if scale is None else float(scale), sliding_window,
+                                      logit_softcap, has_sinks)
+        self.sinks = (nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False) if has_sinks
+                      else None)
         # Bound by the model runner once the KV cache is allocated.
         self.kv_cache: torch.Tensor | None = None
         self.group_id = 0
         self.backend: AttentionBackend | None = None
 
+    @property
+    def num_heads(self) -> int:
+        return self.params.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.params.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.params.head_dim
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.params.sliding_window
+
+    @property
+    def scale(self) -> float:
+        return self.params.scale
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """What one block of this layer's cache holds; layers with equal specs share a KV cache group."""
+        p = self.params
+        if p.sliding_window is not None:
+            return SlidingWindowSpec(block_size, p.num_kv_heads, p.head_dim, dtype, sliding_window=p.sliding_window)
+        return FullAttentionSpec(block_size, p.num_kv_heads, p.head_dim, dtype)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: list[AttentionMetadata],
                 prologue: Prologue | None = None) -> torch.Tensor:
         """meta: one per KV cache group; this layer reads its own group's."""
-        return self.backend.forward(q, k, v, self.kv_cache, meta[self.group_id], self.sliding_window, self.scale,
-                                    prologue)
+        return self.backend.forward(q, k, v, self.kv_cache, meta[self.group_id], self.params, prologue, self.sinks)

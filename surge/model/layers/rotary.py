@@ -14,11 +14,14 @@ from surge.kernels.reference import rotate_half
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_parameters(hf_config: dict) -> dict:
-    """transformers >= 5 writes `rope_parameters`; older configs have rope_theta + rope_scaling."""
-    params = dict(hf_config.get("rope_parameters") or {})
-    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
-    params.update({k: v for k, v in (hf_config.get("rope_scaling") or {}).items() if k not in params})
+def rope_parameters(tc, layer_type: str | None = None) -> dict:
+    """The rope parameters of a transformers-normalized config (`rope_parameters`, which transformers >= 5 builds
+    from older configs' rope_theta + rope_scaling too); per layer type where a model has two (Gemma 3)."""
+    params = getattr(tc, "rope_parameters", None) or {}
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    params = dict(params)
+    params.setdefault("rope_theta", getattr(tc, "rope_theta", None) or 10000.0)
     params.setdefault("rope_type", params.get("type", "default"))
     return params
 
@@ -46,8 +49,11 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, params: dict) -> None:
+    def __init__(self, head_dim: int, max_position: int, params: dict, interleaved: bool = False) -> None:
+        """head_dim: the rotated channels of a head (all of them but with partial rotary); interleaved: GPT-J's
+        layout (channel pairs), else NeoX's (halves)."""
         super().__init__()
+        self.interleaved = interleaved
         if torch.get_default_device().type == "meta":
             # A skeleton whose tables are bound later (the weight cache): shapes only. Math on meta tensors runs
             # torch's Python meta kernels, whose first use imports ~1 s of modules.

@@ -59,7 +59,7 @@ def build_model(config: ModelConfig, device: torch.device) -> nn.Module:
     torch.set_default_dtype(config.dtype)
     try:
         with torch.device(device):
-            model = cls(config.hf_config, config.layer_types, config.sliding_window, config.max_model_len)
+            model = cls(config)
     finally:
         torch.set_default_dtype(old_dtype)
     return model.eval()

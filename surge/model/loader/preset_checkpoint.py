@@ -26,7 +26,7 @@ def hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """A one-rank model's parameters under their HF checkpoint names: merged projections split back (qkv_proj ->
     q/k/v_proj, gate_up_proj -> gate/up_proj) by their shard layout, stacked experts split per expert; a tied LM head
     is left out, as HF saves it."""
-    inverse = {(param, shard): ckpt for ckpt, (param, shard) in model.packed_modules_mapping.items()}
+    inverse = {(param, shard): ckpt for ckpt, (param, shard) in model.weight_mapper.packed.items()}
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():  # tied weights appear once, under the embedding's name
         module_name, _, leaf = name.rpartition(".")

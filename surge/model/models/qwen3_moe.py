@@ -9,6 +9,7 @@ import re
 
 from torch import nn
 
+from surge.model.arch import cfg_get, require
 from surge.model.layers.moe import SparseMoeBlock
 from surge.model.models.llama import Qwen3ForCausalLM
 
@@ -18,20 +19,22 @@ _EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?:(?P<expert>\d+)\.(?P<pr
                      r"(?P<stacked>gate_up|down)_proj)$")
 
 
-def is_sparse_layer(cfg: dict, layer_index: int) -> bool:
-    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-    step = cfg.get("decoder_sparse_step") or 1
-    return (layer_index not in (cfg.get("mlp_only_layers") or []) and num_experts > 0
+def is_sparse_layer(tc, layer_index: int) -> bool:
+    num_experts = cfg_get(tc, "num_experts") or cfg_get(tc, "num_local_experts") or 0
+    step = cfg_get(tc, "decoder_sparse_step") or 1
+    return (layer_index not in (cfg_get(tc, "mlp_only_layers") or []) and num_experts > 0
             and (layer_index + 1) % step == 0)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    def make_mlp(self, cfg: dict, layer_index: int) -> nn.Module:
-        if not is_sparse_layer(cfg, layer_index):
-            return super().make_mlp(cfg, layer_index)
-        return SparseMoeBlock(cfg["hidden_size"], cfg.get("num_experts") or cfg["num_local_experts"],
-                              cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
-                              bool(cfg.get("norm_topk_prob", False)))
+    def make_mlp(self, layer_index: int) -> nn.Module:
+        tc = self.tc
+        if not is_sparse_layer(tc, layer_index):
+            return super().make_mlp(layer_index)
+        require(tc, "hidden_act", ("silu",))  # the fused experts compute SiLU
+        return SparseMoeBlock(tc.hidden_size, cfg_get(tc, "num_experts") or tc.num_local_experts,
+                              tc.num_experts_per_tok, tc.moe_intermediate_size,
+                              bool(cfg_get(tc, "norm_topk_prob", False)))
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, object] | None:
         m = _EXPERT.match(name.removeprefix("model."))
