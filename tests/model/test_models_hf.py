@@ -1,13 +1,13 @@
 """Tiny random Llama, Qwen3, hybrid Qwen3 and Qwen3-MoE: Surge's logits equal HF transformers' at prefill and at every
 decode step, with prompts longer than a block and than the sliding window, batched, with prefill split into chunks,
-and through prefix-cache hits and preemption."""
+and through prefix-cache hits and preemption (the checks live in tests/hf_parity.py, shared with every family)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from surge import LLM, SamplingParams
+from hf_parity import check_every_step, check_prefix_hits_and_preemption, check_prompt_logprobs
 from tiny_models import make_tiny_model
 
 KINDS = ["llama", "llama-tied", "qwen3", "qwen3-hybrid", "qwen3-moe"]
@@ -19,89 +19,14 @@ def tiny(request, tmp_path_factory):
     return request.param, path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _record_logits(llm: LLM) -> list[tuple[str, int, torch.Tensor]]:
-    """Wrap the runner so every sampled row's logits are recorded with (request id, position of the row)."""
-    runner = llm.engine.executor.runner
-    records: list[tuple[str, int, torch.Tensor]] = []
-    execute, compute_logits = runner.execute_async, runner.model.compute_logits  # execute() goes through it too
-    pending: list[tuple[str, int]] = []
-
-    def wrapped_execute(out):
-        pending[:] = [(s.request_id, s.num_computed_tokens + s.num_new_tokens - 1)
-                      for s in out.scheduled if s.samples]
-        return execute(out)
-
-    def wrapped_logits(hidden):
-        logits = compute_logits(hidden)
-        if pending and logits.shape[0] == len(pending):
-            records.extend((rid, pos, row.clone()) for (rid, pos), row in zip(pending, logits))
-            pending.clear()
-        return logits
-
-    runner.execute_async, runner.model.compute_logits = wrapped_execute, wrapped_logits
-    return records
-
-
 @pytest.mark.parametrize("budget", [4096, 7])
 def test_logits_match_hf_every_step(tiny, budget):
-    kind, path, hf = tiny
-    llm = LLM(path, block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=budget, max_model_len=256)
-    records = _record_logits(llm)
-    g = torch.Generator().manual_seed(0)
-    # Longer than a block (4) and than the sliding window (12) of the hybrid model.
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 13, 29, 40)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    ids_by_rid = {o.request_id: p + o.outputs[0].token_ids for p, o in zip(prompts, outs)}
-    assert len(records) == 24 * len(prompts)
-    with torch.no_grad():
-        ref = {rid: hf(torch.tensor([ids])).logits[0] for rid, ids in ids_by_rid.items()}
-    for rid, pos, row in records:
-        torch.testing.assert_close(row, ref[rid][pos], atol=2e-4, rtol=2e-4, msg=f"{kind} request {rid} pos {pos}")
-    for p, o in zip(prompts, outs):  # greedy tokens are the argmax of HF's logits
-        rid = o.request_id
-        assert o.outputs[0].token_ids == ref[rid][len(p) - 1:-1].argmax(-1).tolist()
+    check_every_step(*tiny, budget=budget)
 
 
 def test_logits_match_hf_through_prefix_hits_and_preemption(tiny):
-    """A warm-up request leaves a shared prefix in the cache; then a batch larger than the KV cache is preempted and
-    recomputed. Every sampled row still equals HF's logits at its position, and greedy tokens are HF's argmax. The KV
-    cache starts as NaN, as uninitialized memory may: no step may read a slot that no request wrote."""
-    kind, path, hf = tiny
-    llm = LLM(path, block_size=4, num_gpu_blocks_override=40, max_num_batched_tokens=32, max_model_len=128)
-    for cache in llm.engine.executor.runner.kv_caches:
-        cache.fill_(float("nan"))
-    g = torch.Generator().manual_seed(1)
-    shared = torch.randint(3, 256, (20,), generator=g).tolist()
-    prompts = [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 7, 12, 3, 9, 5)]
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm.generate([shared + [5]], greedy, use_tqdm=False)
-    records = _record_logits(llm)
-    outs = llm.generate(prompts, greedy, use_tqdm=False)
-    assert llm.engine.kv_cache_manager.prefix_hits > 0 and llm.engine.scheduler.num_preemptions > 0
-    with torch.no_grad():
-        ref = {o.request_id: hf(torch.tensor([p + o.outputs[0].token_ids])).logits[0] for p, o in zip(prompts, outs)}
-    assert {rid for rid, _, _ in records} == set(ref)
-    for rid, pos, row in records:
-        torch.testing.assert_close(row, ref[rid][pos], atol=2e-4, rtol=2e-4, msg=f"{kind} request {rid} pos {pos}")
-    for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == ref[o.request_id][len(p) - 1:-1].argmax(-1).tolist()
+    check_prefix_hits_and_preemption(*tiny)
 
 
 def test_prompt_logprobs_match_hf(tiny):
-    kind, path, hf = tiny
-    llm = LLM(path, block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=8, max_model_len=256)
-    prompt = list(range(40, 70))
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, logprobs=2),
-                       use_tqdm=False)[0]
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt + out.outputs[0].token_ids])).logits[0].float(), -1)
-    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
-    for i in range(1, len(prompt)):
-        entry = out.prompt_logprobs[i]
-        assert entry[prompt[i]].logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
-        top = ref[i - 1].topk(3).indices.tolist()
-        assert set(top) <= set(entry)
-    for j, entry in enumerate(out.outputs[0].logprobs):
-        tok = out.outputs[0].token_ids[j]
-        assert entry[tok].logprob == pytest.approx(ref[len(prompt) - 1 + j, tok].item(), abs=1e-4)
-        assert entry[tok].rank == 1  # greedy picks the top token
+    check_prompt_logprobs(*tiny)
