@@ -49,11 +49,16 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, params: dict, interleaved: bool = False) -> None:
-        """head_dim: the rotated channels of a head (all of them but with partial rotary); interleaved: GPT-J's
-        layout (channel pairs), else NeoX's (halves)."""
+    def __init__(self, head_dim: int, max_position: int, params: dict, interleaved: bool = False,
+                 rotary_dim: int | None = None) -> None:
+        """head_dim: a head's size; rotary_dim: the leading channels rotated (default: head_dim times the params'
+        partial_rotary_factor, 1.0 unless given); interleaved: GPT-J's layout (channel pairs), else NeoX's
+        (halves)."""
         super().__init__()
         self.interleaved = interleaved
+        if rotary_dim is None:
+            rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+        head_dim = self.rotary_dim = rotary_dim
         if torch.get_default_device().type == "meta":
             # A skeleton whose tables are bound later (the weight cache): shapes only. Math on meta tensors runs
             # torch's Python meta kernels, whose first use imports ~1 s of modules.
