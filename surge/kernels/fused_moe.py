@@ -1,6 +1,7 @@
 """Fused mixture of experts in Triton: the (token, expert) pairs sorted by expert and padded per expert to whole
-blocks of rows, one grouped GEMM for gate|up with SiLU-and-mul fused into its epilogue, one for down with the
-router weight fused into its epilogue, then the k weighted rows of each token summed by one more kernel.
+blocks of rows, one grouped GEMM for gate|up with its bias (optional) and the gated activation (SiLU, or gpt-oss's
+clamped SwiGLU) fused into its epilogue, one for down with its bias and the router weight fused into its epilogue,
+then the k weighted rows of each token summed by one more kernel.
 
 Every shape is static (the padded pair count is its upper bound, blocks past the live ones exit at once), so one
 CUDA graph replays any routing. Defined by surge/kernels/reference.py's fused_moe; ids of -1 (experts another rank
@@ -15,6 +16,7 @@ import triton
 import triton.language as tl
 
 from surge.kernels.moe_routing import align_to_blocks
+from surge.kernels.reference import EXPERT_ACTIVATIONS
 
 # Rows of a block: tl.dot needs at least 16; more than 64 with two accumulators (gate and up) spills registers.
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
@@ -61,11 +63,12 @@ def launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, N, K,
-                         stride_xm, stride_we, stride_wn, stride_om,
-                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
-    """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for this block's pairs of expert e."""
+def _gate_up_act_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, N, K,
+                        stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
+                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """out[pair, n] = act(gate, up) with gate = x[token] . w[e, n] (+ bias[e, n]), up = x[token] . w[e, N + n]
+    (+ bias[e, N + n]) for this block's pairs of expert e; act as reference.expert_activation."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -92,17 +95,26 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-        act = gate / (1.0 + tl.exp(-gate)) * up
+        if HAS_BIAS:
+            b_ptrs = bias_ptr + expert * stride_be + cols
+            gate += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(b_ptrs + N, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION == "swiglu_oai":
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            act = gate / (1.0 + tl.exp(-gate)) * up
         out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :]
         tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _down_weighted_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, num_pairs, N, K,
-                          stride_am, stride_we, stride_wn, stride_om,
+def _down_weighted_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, num_pairs,
+                          N, K, stride_am, stride_we, stride_wn, stride_be, stride_om,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
-    """out[pair, n] = weight[pair] * (a[pair] . w[e, n]) for this block's pairs of expert e."""
+                          DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[pair, n] = weight[pair] * (a[pair] . w[e, n] (+ bias[e, n])) for this block's pairs of expert e."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -124,6 +136,8 @@ def _down_weighted_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_pt
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         weight = tl.load(weights_ptr + pair64, mask=row_ok, other=0.0).to(tl.float32)
         out_ptrs = out_ptr + pair64[:, None] * stride_om + cols[None, :]
         tl.store(out_ptrs, (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -147,9 +161,12 @@ def _combine_kernel(rows_ptr, ids_ptr, out_ptr, hidden, expert_offset, num_exper
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, launch: MoeLaunch | None = None, expert_offset: int = 0) -> torch.Tensor:
-    """x [T, H]; gate_up [E, 2I, H] ([gate | up] rows); down [E, H, I]; topk_weights, topk_ids [T, k]. Returns
-    [T, H] in x's dtype. Four launches: alignment, gate|up, down, combine.
+              topk_ids: torch.Tensor, launch: MoeLaunch | None = None, expert_offset: int = 0, *,
+              gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+              activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H] ([gate | up] rows); down [E, H, I]; topk_weights, topk_ids [T, k]; optional
+    biases gate_up_bias [E, 2I], down_bias [E, H]; activation one of reference.EXPERT_ACTIVATIONS. Returns [T, H] in
+    x's dtype. Four launches: alignment, gate|up, down, combine.
 
     This rank holds experts [expert_offset, expert_offset + E) of the ids (global ones under expert parallelism;
     local ones, -1 for another rank's, with the default 0): any other id contributes nothing."""
@@ -159,16 +176,26 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     if gate_up.shape[2] != hidden or tuple(down.shape) != (num_experts, hidden, inter):
         raise ValueError(f"expert weights gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not fit "
                          f"hidden size {hidden}")
+    for name, bias, want in (("gate_up_bias", gate_up_bias, (num_experts, two_inter)),
+                             ("down_bias", down_bias, (num_experts, hidden))):
+        if bias is not None and tuple(bias.shape) != want:
+            raise ValueError(f"{name} of shape {tuple(bias.shape)}, expected {want}")
+    if activation not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; supported: {', '.join(EXPERT_ACTIVATIONS)}")
     if num_tokens == 0:
         return torch.zeros_like(x)
     launch = launch or launch_policy(num_tokens, top_k, num_experts, hidden, inter)
     sorted_ids, block_expert = align_to_blocks(topk_ids, num_experts, launch.block_m, expert_offset)
-    return grouped_experts(x, gate_up, down, topk_weights, topk_ids, sorted_ids, block_expert, launch, expert_offset)
+    return grouped_experts(x, gate_up, down, topk_weights, topk_ids, sorted_ids, block_expert, launch, expert_offset,
+                           gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
+                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, launch: MoeLaunch,
-                    expert_offset: int = 0) -> torch.Tensor:
+                    expert_offset: int = 0, *, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None, activation: str = "silu", swiglu_alpha: float = 1.702,
+                    swiglu_limit: float = 7.0) -> torch.Tensor:
     """fused_moe after its alignment (sorted_ids, block_expert from align_to_blocks with launch.block_m): the two
     GEMMs and the combine. Apart so that a benchmark times them without the routing."""
     num_tokens, hidden = x.shape
@@ -180,18 +207,22 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     t = launch.gate_up
-    _gate_up_silu_kernel[(num_blocks * triton.cdiv(inter, t.block_n),)](
-        x, gate_up, act, sorted_ids, block_expert, num_pairs, inter, hidden,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+    # Without a bias, the weight stands in for its pointer (never read).
+    gate_up_b = gate_up if gate_up_bias is None else gate_up_bias.contiguous()
+    _gate_up_act_kernel[(num_blocks * triton.cdiv(inter, t.block_n),)](
+        x, gate_up, gate_up_b, act, sorted_ids, block_expert, num_pairs, inter, hidden,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_b.stride(0), act.stride(0),
+        float(swiglu_alpha), float(swiglu_limit),
         TOP_K=top_k, BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT_PRECISION=precision,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        HAS_BIAS=gate_up_bias is not None, ACTIVATION=activation, num_warps=t.num_warps, num_stages=t.num_stages)
     rows = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # the rows of pairs held here
     t = launch.down
+    down_b = down if down_bias is None else down_bias.contiguous()
     _down_weighted_kernel[(num_blocks * triton.cdiv(hidden, t.block_n),)](
-        act, down, rows, sorted_ids, block_expert, topk_weights.contiguous(), num_pairs, hidden, inter,
-        act.stride(0), down.stride(0), down.stride(1), rows.stride(0),
+        act, down, down_b, rows, sorted_ids, block_expert, topk_weights.contiguous(), num_pairs, hidden, inter,
+        act.stride(0), down.stride(0), down.stride(1), down_b.stride(0), rows.stride(0),
         BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT_PRECISION=precision,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        HAS_BIAS=down_bias is not None, num_warps=t.num_warps, num_stages=t.num_stages)
     out = torch.empty_like(x)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     _combine_kernel[(num_tokens, triton.cdiv(hidden, launch.combine_block))](

@@ -45,9 +45,10 @@ def router_launch(num_tokens: int, num_experts: int, top_k: int) -> RouterLaunch
 @triton.jit
 def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_lt,
                    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-                   TOP_K_PAD: tl.constexpr):
+                   TOP_K_PAD: tl.constexpr, SOFTMAX_AFTER_TOPK: tl.constexpr = False):
     """Per row: probs = softmax(logits) in float32; the TOP_K largest logits (the softmax keeps their order; ties go
-    to the lowest expert id, NaN ranks last); their probs, divided by their sum when RENORMALIZE."""
+    to the lowest expert id, NaN ranks last); their probs, divided by their sum when RENORMALIZE. SOFTMAX_AFTER_TOPK
+    (gpt-oss): the softmax of the TOP_K logits alone, exp(logit - max) over its sum, as torch.softmax rounds it."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_tokens
     experts = tl.arange(0, EXPERTS_PAD)
@@ -56,7 +57,10 @@ def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, st
     logits = tl.load(ptrs, mask=row_ok[:, None] & lane_ok[None, :], other=float("-inf")).to(tl.float32)
     peak = tl.where(row_ok, tl.max(logits, axis=1), 0.0)  # rows past the last: no -inf - -inf
     exps = tl.exp(logits - peak[:, None])
-    probs = exps / tl.where(row_ok, tl.sum(exps, axis=1), 1.0)[:, None]
+    if SOFTMAX_AFTER_TOPK:
+        probs = exps  # normalized over the chosen ones below
+    else:
+        probs = exps / tl.where(row_ok, tl.sum(exps, axis=1), 1.0)[:, None]
     # Rank the logits themselves: exact, where the rounded probabilities could tie two different logits.
     key = tl.where(logits == logits, logits, float("-inf"))  # noqa: PLR0124 - NaN ranks last, an id stays in range
     taken = tl.broadcast_to(~lane_ok[None, :], (ROWS, EXPERTS_PAD))  # the padding lanes are never chosen
@@ -71,7 +75,7 @@ def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, st
         top_ids = tl.where(slots[None, :] == slot, pick[:, None], top_ids)
         top_probs = tl.where(slots[None, :] == slot, tl.sum(tl.where(chosen, probs, 0.0), axis=1)[:, None],
                              top_probs)
-    if RENORMALIZE:
+    if RENORMALIZE or SOFTMAX_AFTER_TOPK:
         top_probs = top_probs / tl.where(row_ok, tl.sum(top_probs, axis=1), 1.0)[:, None]
     out = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
     ok = row_ok[:, None] & (slots[None, :] < TOP_K)
@@ -80,7 +84,7 @@ def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, st
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+          dtype: torch.dtype, softmax_after_topk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in dtype, expert ids [T, k] int32, in descending order of weight): select_experts in one
     launch. The experts are torch.topk's on the float32 softmax, ranked on the logits (the softmax keeps their order;
     where exp rounds two different logits to one probability, the larger logit wins), equal logits to the lowest id."""
@@ -95,7 +99,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     _router_kernel[(triton.cdiv(num_tokens, launch.rows),)](
         router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, ROWS=launch.rows, EXPERTS_PAD=launch.experts_pad,
-        TOP_K_PAD=launch.top_k_pad, num_warps=4)
+        TOP_K_PAD=launch.top_k_pad, SOFTMAX_AFTER_TOPK=softmax_after_topk, num_warps=4)
     return weights, ids
 
 

@@ -31,21 +31,45 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     return rotate_interleaved(x, cos, sin) if interleaved else rotate_half(x, cos, sin)
 
 
-def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """sum over k of topk_weights[t, k] * expert(x[t]), expert e being down[e] @ (silu(gate) * up) with
-    [gate | up] = gate_up[e] @ x; ids of -1 (experts held by another rank) contribute nothing.
+EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 
-    x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_* [T, k]. Rounded as HF transformers' experts loop: each
-    projection in x's dtype, experts added in ascending order."""
+
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", alpha: float = 1.702,
+                      limit: float = 7.0) -> torch.Tensor:
+    """An expert's gated activation. silu: silu(gate) * up. swiglu_oai (gpt-oss): gate clamped from above at limit,
+    up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if activation == "swiglu_oai":
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    raise ValueError(f"activation={activation!r} is not supported; supported: {', '.join(EXPERT_ACTIVATIONS)}")
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
+              down_bias: torch.Tensor | None = None, activation: str = "silu", swiglu_alpha: float = 1.702,
+              swiglu_limit: float = 7.0) -> torch.Tensor:
+    """sum over k of topk_weights[t, k] * expert(x[t]), expert e being down[e] @ act(gate, up) + down_bias[e] with
+    [gate | up] = gate_up[e] @ x + gate_up_bias[e] (biases optional; act: `expert_activation`); ids of -1 (experts
+    held by another rank) contribute nothing.
+
+    x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; gate_up_bias [E, 2I]; down_bias [E, H]; topk_* [T, k]. Rounded as
+    HF transformers' experts loop: each projection in x's dtype, experts added in ascending order."""
+    linear = torch.nn.functional.linear
     out = torch.zeros_like(x)
     inter = down.shape[-1]
     for expert in topk_ids.unique().tolist():
         if expert < 0:
             continue
         token, slot = (topk_ids == expert).nonzero(as_tuple=True)
-        gate, up = torch.nn.functional.linear(x[token], gate_up[expert]).split(inter, dim=-1)
-        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down[expert])
+        gate_up_e = linear(x[token], gate_up[expert])
+        if gate_up_bias is not None:
+            gate_up_e = gate_up_e + gate_up_bias[expert]
+        gate, up = gate_up_e.split(inter, dim=-1)
+        y = linear(expert_activation(gate, up, activation, swiglu_alpha, swiglu_limit), down[expert])
+        if down_bias is not None:
+            y = y + down_bias[expert]
         out.index_add_(0, token, y * topk_weights[token, slot, None])
     return out
 

@@ -1,5 +1,6 @@
-"""Mixture of experts: a router (softmax over experts, top-k, optionally renormalized) and the experts' SiLU-gated
-MLPs, whose weights are stacked per layer ([E, 2I, H] gate|up and [E, H, I] down) from per-expert checkpoint tensors.
+"""Mixture of experts: a router (softmax over experts, top-k, optionally renormalized; or top-k, then the softmax of
+those logits) and the experts' gated MLPs (SiLU, or gpt-oss's clamped SwiGLU; optionally with biases), whose weights
+are stacked per layer ([E, 2I, H] gate|up and [E, H, I] down) from per-expert or stacked checkpoint tensors.
 
 Split over the tensor-parallel ranks two ways. Without expert parallelism each rank holds a slice of every expert's
 intermediate size, like a dense MLP. With it (EP size = TP size) each rank holds E / tp whole experts. Either way
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from surge.distributed.parallel_state import get_ep_group, get_tp_group
+from surge.kernels.reference import EXPERT_ACTIVATIONS
+from surge.kernels.reference import fused_moe as fused_moe_reference
 from surge.model.layers.linear import Linear
 
 # Checkpoint shard ids of expert tensors: (projection, expert) for one expert's tensor, or (projection, None) for
@@ -23,9 +26,11 @@ _PROJECTIONS = ("gate", "up", "down", "gate_up")
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype,
-                   use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   use_kernel: bool | None = None, softmax_after_topk: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in dtype, expert ids [T, k]): softmax in float32 over the experts, the top k, divided by
-    their sum when renormalize (norm_topk_prob), as HF transformers routes.
+    their sum when renormalize (norm_topk_prob), as HF transformers routes. softmax_after_topk (gpt-oss): the top k
+    logits, then their softmax (in float32): renormalized weights, rounded as HF's gpt-oss router rounds them.
 
     use_kernel: None, the fused router kernel on CUDA (one launch instead of softmax, topk's sorts and the sum;
     int32 ids, ties to the lowest expert id) and torch elsewhere; True, the kernel on any device (tests, under
@@ -35,7 +40,10 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, d
     if use_kernel:
         # Triton reads TRITON_INTERPRET when this is imported.
         from surge.kernels.moe_routing import route
-        return route(router_logits, top_k, renormalize, dtype)
+        return route(router_logits, top_k, renormalize, dtype, softmax_after_topk)
+    if softmax_after_topk:
+        top_logits, ids = torch.topk(router_logits.float(), top_k, dim=-1)
+        return torch.softmax(top_logits, dim=-1).to(dtype), ids
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -46,8 +54,19 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, d
 class FusedMoE(nn.Module):
     """This rank's experts of one layer. Expert ids arrive global; those held by another rank become -1."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, bias: bool = False,
+                 activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 stacked_in_out: bool = False, interleaved_gate_up: bool = False) -> None:
+        """bias: gate|up [E, 2I] and down [E, H] biases. activation: reference.EXPERT_ACTIVATIONS (swiglu_alpha and
+        swiglu_limit for "swiglu_oai"). How a checkpoint's stacked tensors are laid out: stacked_in_out, [E, in, out]
+        (x @ W) rather than [E, out, in]; interleaved_gate_up, gate and up alternate along the 2I axis (gpt-oss)
+        rather than [gate | up]. They are stored in Surge's layout either way."""
         super().__init__()
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert activation={activation!r} is not supported; supported: "
+                             f"{', '.join(EXPERT_ACTIVATIONS)}")
+        self.activation, self.swiglu_alpha, self.swiglu_limit = activation, float(swiglu_alpha), float(swiglu_limit)
+        self.stacked_in_out, self.interleaved_gate_up = stacked_in_out, interleaved_gate_up
         tp, ep = get_tp_group(), get_ep_group()
         if num_experts % ep.world_size:
             raise ValueError(f"num_experts={num_experts} does not split evenly over {ep.world_size} expert-parallel "
@@ -66,6 +85,13 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, hidden, i), requires_grad=False)
         self.gate_up_proj.weight_loader = self.weight_loader
         self.down_proj.weight_loader = self.weight_loader
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(e, hidden), requires_grad=False)
+            self.gate_up_proj_bias.weight_loader = self.bias_loader
+            self.down_proj_bias.weight_loader = self.bias_loader
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[str, int | None] | None = None) -> None:
@@ -77,13 +103,17 @@ class FusedMoE(nn.Module):
         if expert is None:  # every expert stacked: this rank's experts, each sliced as below
             want = ((self.num_experts, 2 * self.intermediate, self.hidden) if projection == "gate_up"
                     else (self.num_experts, self.hidden, self.intermediate))
+            if self.stacked_in_out:
+                want = (want[0], want[2], want[1])
             if tuple(loaded.shape) != want:
                 raise ValueError(f"stacked experts of shape {tuple(loaded.shape)}, expected {want}")
             local = loaded.narrow(0, e0, n)
+            if self.stacked_in_out:
+                local = local.transpose(1, 2)
             if projection == "gate_up":
-                full = self.intermediate
-                param.data[:, :i].copy_(local[:, i0:i0 + i])
-                param.data[:, i:].copy_(local[:, full + i0:full + i0 + i])
+                gate, up = self._gate_and_up(local)
+                param.data[:, :i].copy_(gate[:, i0:i0 + i])
+                param.data[:, i:].copy_(up[:, i0:i0 + i])
             else:
                 param.data.copy_(local.narrow(2, i0, i))
             return
@@ -100,6 +130,33 @@ class FusedMoE(nn.Module):
         else:
             target.narrow(0, 0 if projection == "gate" else i, i).copy_(loaded.narrow(0, i0, i))
 
+    def _gate_and_up(self, stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A checkpoint's stacked gate|up [E, 2I, ...] -> (gate, up), each [E, I, ...]."""
+        if self.interleaved_gate_up:
+            return stacked[:, 0::2], stacked[:, 1::2]
+        return stacked[:, :self.intermediate], stacked[:, self.intermediate:]
+
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                    shard_id: tuple[str, int | None] | None = None) -> None:
+        """Stacked biases: ("gate_up", None) [E, 2I] or ("down", None) [E, H]. A down bias is added once per
+        expert: by the rank holding the first slice of its intermediate size (zeros on the others, whose partial
+        outputs the all-reduce adds)."""
+        if shard_id not in (("gate_up", None), ("down", None)):
+            raise ValueError(f"expert bias shard id {shard_id!r} is not ('gate_up', None) or ('down', None)")
+        want = (self.num_experts, 2 * self.intermediate if shard_id[0] == "gate_up" else self.hidden)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"stacked expert biases of shape {tuple(loaded.shape)}, expected {want}")
+        local = loaded.narrow(0, self.expert_start, self.num_local_experts)
+        i0, i = self.intermediate_start, self.local_intermediate
+        if shard_id[0] == "gate_up":
+            gate, up = self._gate_and_up(local)
+            param.data[:, :i].copy_(gate[:, i0:i0 + i])
+            param.data[:, i:].copy_(up[:, i0:i0 + i])
+        elif i0 == 0:
+            param.data.copy_(local)
+        else:
+            param.data.zero_()
+
     def local_expert_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> this rank's indices, -1 where another rank holds the expert."""
         if self.num_local_experts == self.num_experts:
@@ -109,27 +166,33 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) (the caller all-reduces it)."""
+        options = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
+                       activation=self.activation, swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
         if x.is_cuda:  # the kernels skip another rank's experts themselves: no id arithmetic launched here
             from surge.kernels.fused_moe import fused_moe
             return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
-                             expert_offset=self.expert_start)
-        from surge.kernels.reference import fused_moe as fused_moe_reference
+                             expert_offset=self.expert_start, **options)
         return fused_moe_reference(x, self.gate_up_proj, self.down_proj, topk_weights,
-                                   self.local_expert_ids(topk_ids))
+                                   self.local_expert_ids(topk_ids), **options)
 
 
 class SparseMoeBlock(nn.Module):
     """The feed-forward block of a mixture-of-experts layer: route each token to its top-k experts, combine their
     outputs weighted by the router, sum over the ranks."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, norm_topk_prob: bool) -> None:
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, norm_topk_prob: bool, *,
+                 router_bias: bool = False, softmax_after_topk: bool = False, **expert_options) -> None:
+        """router_bias: the router's Linear has a bias; softmax_after_topk: see select_experts; expert_options: the
+        FusedMoE's keyword arguments (biases, activation, checkpoint layout)."""
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
-        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.gate = Linear(hidden, num_experts)  # the router, replicated: every rank routes every token alike
-        self.experts = FusedMoE(num_experts, hidden, intermediate)
+        self.top_k, self.norm_topk_prob, self.softmax_after_topk = top_k, norm_topk_prob, softmax_after_topk
+        # The router, replicated: every rank routes every token alike.
+        self.gate = Linear(hidden, num_experts, bias=router_bias)
+        self.experts = FusedMoE(num_experts, hidden, intermediate, **expert_options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, x.dtype)
+        weights, ids = select_experts(F.linear(x, self.gate.weight, self.gate.bias), self.top_k, self.norm_topk_prob,
+                                      x.dtype, softmax_after_topk=self.softmax_after_topk)
         return get_tp_group().all_reduce(self.experts(x, weights, ids))
