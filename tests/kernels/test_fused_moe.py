@@ -2,7 +2,8 @@
 every launch geometry, with experts that receive no tokens, a single token, and experts held by another rank; the
 router kernel against torch's softmax and topk (ties against a stable sort); the block alignment kernels against a
 plain Python model and exactly against the torch alignment, the fused output bitwise alike with either; the launch
-policies at their N/N+1 boundaries; CUDA graph replay of router and experts."""
+policies at their N/N+1 boundaries; CUDA graph replay of router and experts. The variants gpt-oss needs (expert
+biases, the clamped SwiGLU, softmax after top-k) against the same references."""
 from __future__ import annotations
 
 import pytest
@@ -53,6 +54,31 @@ def test_equals_reference_for_every_geometry(shape, device):
         assert len(ids.unique()) < shape[1]  # some experts receive no token
     for launch in _launches(*shape):
         _check(fused_moe(x, gate_up, down, weights, ids, launch=launch).cpu(), expected, torch.float32)
+
+
+# (bias, activation): each flag alone, then both (gpt-oss's experts).
+VARIANTS = [(True, "silu"), (False, "swiglu_oai"), (True, "swiglu_oai")]
+
+
+@pytest.mark.parametrize("bias,activation", VARIANTS, ids=[f"bias{int(b)}-{a}" for b, a in VARIANTS])
+def test_bias_and_activation_equal_reference(bias, activation, device):
+    """Expert biases (gate|up [E, 2I], down [E, H]) and the clamped SwiGLU against the torch reference, with a limit
+    the gate and up values cross (both sides of up), and an expert held elsewhere (-1)."""
+    from surge.kernels.fused_moe import fused_moe
+
+    x, gate_up, down, weights, ids = _case(9, 4, 2, 32, 24, torch.float32, device, seed=13, remote=1)
+    g = torch.Generator().manual_seed(14)
+    options = dict(activation=activation, swiglu_alpha=1.5, swiglu_limit=0.6)
+    if bias:
+        options.update(gate_up_bias=torch.randn(4, 48, generator=g).to(device),
+                       down_bias=torch.randn(4, 32, generator=g).to(device))
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+    expected = reference(x.cpu(), gate_up.cpu(), down.cpu(), weights.cpu(), ids.cpu(), **cpu)
+    if activation == "swiglu_oai":  # the clamps act: gate above the limit, up beyond it on both sides
+        up = x.cpu() @ gate_up.cpu()[:, 24:].transpose(1, 2)
+        assert (x.cpu() @ gate_up.cpu()[:, :24].transpose(1, 2) > 0.6).any() and (up > 0.6).any() and (up < -0.6).any()
+    for launch in _launches(9, 4, 2, 32, 24)[:2]:
+        _check(fused_moe(x, gate_up, down, weights, ids, launch=launch, **options).cpu(), expected, torch.float32)
 
 
 @pytest.fixture
@@ -155,6 +181,22 @@ def test_router_equals_torch_topk(route, renormalize, dtype, device):
     # at most, where the float32 values straddle a rounding boundary).
     tol = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 0}
     torch.testing.assert_close(weights.cpu().float(), expected_weights.to(dtype).float(), **tol)
+
+
+@pytest.mark.parametrize("route", [(1, 8, 2), (17, 10, 3)], ids=["T1-E8-k2", "T17-E10-k3"])
+def test_router_softmax_after_topk_equals_torch(route, device):
+    """gpt-oss's routing: torch.topk of the logits, then the softmax of those k (HF's GptOssTopKRouter order)."""
+    from surge.model.layers.moe import select_experts
+
+    num_tokens, num_experts, top_k = route
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_tokens)) * 2
+    top, expected_ids = torch.topk(logits, top_k, dim=-1)
+    expected = torch.softmax(top, dim=-1)
+    for use_kernel in (True, False):
+        weights, ids = select_experts(logits.to(device), top_k, False, torch.float32, use_kernel=use_kernel,
+                                      softmax_after_topk=True)
+        assert ids.cpu().long().tolist() == expected_ids.tolist()
+        torch.testing.assert_close(weights.cpu(), expected, rtol=1e-6, atol=1e-7)
 
 
 def test_router_ties_go_to_the_lowest_expert(device):
