@@ -34,6 +34,25 @@ _QWEN3_30B_A3B = dict(
     tie_word_embeddings=False, attention_bias=False, bos_token_id=151643, eos_token_id=151645, hidden_act="silu",
     use_sliding_window=False, sliding_window=None, max_window_layers=48, router_aux_loss_coef=0.001)
 
+# mistralai/Mistral-7B-Instruct-v0.3's config.json (no sliding window since v0.2).
+_MISTRAL_7B = dict(
+    architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768,
+    max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    sliding_window=None, bos_token_id=1, eos_token_id=2, hidden_act="silu")
+
+# google/gemma-3-12b-it's text_config (the language model of Gemma3ForConditionalGeneration): 5 sliding-window
+# layers (1024) to each global one, linear rope x8 on the global layers.
+_GEMMA3_12B = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=3840, intermediate_size=15360,
+    num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=262208,
+    max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=1024,
+    query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=None,
+    final_logit_softcapping=None, bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8,
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
 _TINY = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
     num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=4096,
@@ -54,6 +73,8 @@ PRESETS: dict[str, dict] = {
     "qwen3-8b": _QWEN3_8B,
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
     "llama3.1-8b": _LLAMA31_8B,
+    "mistral-7b": _MISTRAL_7B,
+    "gemma-3-12b": _GEMMA3_12B,
     "tiny-llama": _TINY,
     "tiny-qwen3-hybrid": _TINY_HYBRID,
     "tiny-qwen3-moe": _TINY_MOE,
