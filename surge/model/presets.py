@@ -53,6 +53,19 @@ _GEMMA3_12B = dict(
     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
 
+# openai/gpt-oss-20b's config.json but its quantization_config (the released experts are MXFP4; these are bf16):
+# 24 layers alternating a 128-token window and full attention, 32 experts (4 per token) with biases and the clamped
+# SwiGLU, attention sinks, yarn rope x32 over 4096 positions.
+_GPT_OSS_20B = dict(
+    architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+    num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=True,
+    num_local_experts=32, num_experts_per_tok=4, swiglu_limit=7.0, sliding_window=128, hidden_act="silu",
+    layer_types=["sliding_attention", "full_attention"] * 12, eos_token_id=200002, pad_token_id=199999,
+    router_aux_loss_coef=0.9, rope_theta=150000.0,
+    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                      original_max_position_embeddings=4096))
+
 _TINY = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
     num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=4096,
@@ -75,6 +88,7 @@ PRESETS: dict[str, dict] = {
     "llama3.1-8b": _LLAMA31_8B,
     "mistral-7b": _MISTRAL_7B,
     "gemma-3-12b": _GEMMA3_12B,
+    "gpt-oss-20b": _GPT_OSS_20B,
     "tiny-llama": _TINY,
     "tiny-qwen3-hybrid": _TINY_HYBRID,
     "tiny-qwen3-moe": _TINY_MOE,

@@ -10,9 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_parity import check_all
+from surge import LLM, SamplingParams
 from surge.config import ModelConfig
 from surge.model.loader.base import build_model
 from surge.model.models.registry import MODEL_REGISTRY
+from surge.model.presets import preset_model_config
 from tiny_fam5 import make_tiny_model
 
 KINDS = ["gpt-oss"]
@@ -37,3 +39,42 @@ def test_gpt_oss_refuses_mxfp4(tiny):
                                     supported_architectures=tuple(MODEL_REGISTRY))
     with pytest.raises(ValueError, match=r"quantization_config.quant_method='mxfp4'"):
         build_model(mc, torch.device("cpu"))
+
+
+def test_gpt_oss_20b_preset_shapes():
+    """The benchmark preset (openai/gpt-oss-20b's config, bf16 experts) builds, shapes only: 20.9B parameters, every
+    layer's feed-forward block 32 experts with biases, sinks on every attention layer, windows on every other one;
+    its rope stays the released yarn (not computed until surge/model/layers/rotary.py has yarn)."""
+    mc = preset_model_config("gpt-oss-20b", "bfloat16", torch.device("cpu"), max_model_len=4096)
+    assert mc.text_config.rope_parameters["rope_type"] == "yarn"
+    with torch.device("meta"):
+        model = build_model(mc, torch.device("meta"))
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == 20.9
+    experts = model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape == (32, 2 * 2880, 2880) and experts.down_proj_bias.shape == (32, 2880)
+    windows = [layer.sliding_window for layer in model.attention_layers()]
+    assert windows == [128, None] * 12 and all(layer.sinks is not None for layer in model.attention_layers())
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
+def test_gpt_oss_tp2_matches_one_rank(tiny, expert_parallel):
+    """Two ranks (gloo, worker processes): each rank's sinks, its slice of every expert (the down bias added by one
+    rank only) or its whole experts: greedy tokens identical to one rank's, logprobs close."""
+    _, path, _ = tiny
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 30)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(str(path), tensor_parallel_size=tp, enable_expert_parallel=expert_parallel and tp > 1,
+                  block_size=4, max_model_len=128, device="cpu", kv_cache_memory=1 << 22)
+        try:
+            outs.append(llm.generate(prompts, params, use_tqdm=False))
+        finally:
+            llm.engine.shutdown()
+    ref, got = outs
+    for o, r in zip(got, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        for d, e in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert list(d) == list(e)
+            assert all(d[t].logprob == pytest.approx(e[t].logprob, abs=1e-4) for t in d)
