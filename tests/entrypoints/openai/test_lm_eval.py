@@ -20,22 +20,40 @@ SERVED_NAME = "SmolLM2-135M-Instruct"
 MAX_LOGLIKELIHOOD_DIFF = 1e-3
 
 
-def run_lm_eval(tmp: Path, model: str, *args: str) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp / "datasets"),
+def start_lm_eval(tmp: Path, model: str, *args: str) -> tuple[subprocess.Popen, Path]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp / model),
            "TOKENIZERS_PARALLELISM": "false", "OPENAI_API_KEY": "none"}
     out = tmp / f"{model}.json"
-    subprocess.run([sys.executable, str(RUNNER), str(out), model, *args], env=env, check=True, timeout=600)
+    return subprocess.Popen([sys.executable, str(RUNNER), str(out), model, *args], env=env), out
+
+
+def finish_lm_eval(run: tuple[subprocess.Popen, Path]) -> dict:
+    proc, out = run
+    try:
+        assert proc.wait(timeout=600) == 0, f"lm_eval_runner.py exited with {proc.returncode}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def results(default_model_dir, tmp_path_factory) -> tuple[dict, dict]:
-    """(through Surge, lm-eval's hf model)"""
+    """(through Surge, lm-eval's hf model). The two runs are independent: the hf one runs beside the server's
+    start-up and the Surge run (each mostly one busy thread on a 2-core machine) instead of after them."""
     tmp = tmp_path_factory.mktemp("lm-eval")
-    with RemoteServer(None, "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory",
-                      str(256 << 20)) as server:
-        surge = run_lm_eval(tmp, "local-completions", server.url, SERVED_NAME, str(default_model_dir))
-    return surge, run_lm_eval(tmp, "hf", str(default_model_dir))
+    hf = start_lm_eval(tmp, "hf", str(default_model_dir))
+    try:
+        with RemoteServer(None, "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory",
+                          str(256 << 20)) as server:
+            surge = finish_lm_eval(start_lm_eval(tmp, "local-completions", server.url, SERVED_NAME,
+                                                 str(default_model_dir)))
+    except BaseException:
+        hf[0].kill()
+        hf[0].wait()
+        raise
+    return surge, finish_lm_eval(hf)
 
 
 def test_loglikelihood_accuracy_equals_hf(results):
