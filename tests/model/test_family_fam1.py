@@ -13,7 +13,7 @@ from hf_parity import check_all, check_every_step
 from surge import LLM
 from tiny_fam1 import WINDOW, edit_config, make_tiny_model
 
-KINDS = ["mistral", "mistral-nowindow", "mixtral",
+KINDS = ["mistral", "mistral-nowindow", "mixtral", "qwen2-moe", "smollm3", "granite", "exaone4", "exaone4-full",
          "llama-gelu"]
 
 
@@ -48,6 +48,8 @@ def test_mistral_window_without_layer_types_slides_every_layer(tmp_path):
 @pytest.mark.parametrize("kind, fields, refused", [
     ("llama-gelu", {"hidden_act": "swiglu_foo"}, "hidden_act='swiglu_foo'"),
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("qwen2-moe", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("smollm3", {"no_rope_layers": [1, 0]}, r"no_rope_layers=\[1, 0\]"),
 ])
 def test_unsupported_config_value_is_refused_by_name(tmp_path, kind, fields, refused):
     path = make_tiny_model(kind, tmp_path)
