@@ -166,7 +166,8 @@ def _layer_types(model: str, tc: Any) -> tuple[tuple[str, ...], int | None]:
                              f"{', '.join(_LAYER_TYPES)}")
     if window is None:  # as in HF: without a window, "sliding" layers attend to everything
         layer_types = ["full_attention"] * num_layers
-    elif not (isinstance(window, int) and window > 0):
+    elif "sliding_attention" in layer_types and not (isinstance(window, int) and window > 0):
+        # Qwen2-MoE writes 0 when use_sliding_window is off: no layer slides then, and the window is unused.
         raise ValueError(f"model={model!r}: sliding_window must be a positive integer, got {window!r}")
     if "sliding_attention" not in layer_types:
         window = None

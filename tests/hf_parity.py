@@ -59,10 +59,14 @@ def check_every_step(name: str, path, hf, budget: int = 4096, vocab: int = 256, 
     _check(name, records, prompts, outs, hf, vocab)
 
 
-def check_prefix_hits_and_preemption(name: str, path, hf, vocab: int = 256) -> None:
+def check_prefix_hits_and_preemption(name: str, path, hf, vocab: int = 256, num_blocks: int = 40,
+                                     max_model_len: int = 128) -> None:
     """A warm-up request leaves a shared prefix in the cache; then a batch larger than the KV cache is preempted and
-    recomputed. The KV cache starts as NaN, as uninitialized memory may: no step may read a slot no request wrote."""
-    llm = LLM(path, block_size=4, num_gpu_blocks_override=40, max_num_batched_tokens=32, max_model_len=128)
+    recomputed. The KV cache starts as NaN, as uninitialized memory may: no step may read a slot no request wrote.
+    A model whose every layer slides holds only a window per request: it needs a smaller cache (num_blocks, and
+    max_model_len, which the cache must hold) to be preempted."""
+    llm = LLM(path, block_size=4, num_gpu_blocks_override=num_blocks, max_num_batched_tokens=32,
+              max_model_len=max_model_len)
     for cache in llm.engine.executor.runner.kv_caches:
         cache.fill_(float("nan"))
     g = torch.Generator().manual_seed(1)
@@ -94,9 +98,10 @@ def check_prompt_logprobs(name: str, path, hf) -> None:
         assert entry[tok].rank == 1  # greedy picks the top token
 
 
-def check_all(name: str, path, hf) -> None:
+def check_all(name: str, path, hf, preemption_blocks: int = 40, preemption_max_model_len: int = 128) -> None:
     """Every check, one engine after another (a family's one test)."""
     check_every_step(name, path, hf)
     check_every_step(name, path, hf, budget=7)
-    check_prefix_hits_and_preemption(name, path, hf)
+    check_prefix_hits_and_preemption(name, path, hf, num_blocks=preemption_blocks,
+                                     max_model_len=preemption_max_model_len)
     check_prompt_logprobs(name, path, hf)

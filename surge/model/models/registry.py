@@ -8,6 +8,12 @@ from surge.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3Fo
 from surge.model.models.qwen3_moe import Qwen3MoeForCausalLM
 from surge.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from surge.model.models.gpt_oss import GptOssForCausalLM
+from surge.model.models.mistral import MistralForCausalLM
+from surge.model.models.mixtral import MixtralForCausalLM
+from surge.model.models.qwen2_moe import Qwen2MoeForCausalLM
+from surge.model.models.smollm3 import SmolLM3ForCausalLM
+from surge.model.models.granite import GraniteForCausalLM
+from surge.model.models.exaone4 import Exaone4ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -18,6 +24,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
 }
 
 
