@@ -5,12 +5,22 @@ from torch import nn
 
 from surge.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from surge.model.models.qwen3_moe import Qwen3MoeForCausalLM
+from surge.model.models.phi import PhiForCausalLM
+from surge.model.models.phi3 import Phi3ForCausalLM
+from surge.model.models.stablelm import StableLmForCausalLM
+from surge.model.models.gpt_neox import GPTNeoXForCausalLM
+from surge.model.models.starcoder2 import Starcoder2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "PhiForCausalLM": PhiForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "StableLmForCausalLM": StableLmForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
 }
 
 
