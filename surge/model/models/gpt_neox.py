@@ -44,9 +44,9 @@ class GPTNeoXForCausalLM(LayerNormCausalLM):
         tc, hidden = self.tc, self.tc.hidden_size
         bias = bool(cfg_get(tc, "attention_bias", True))
         attn = DecoderAttention(tc, sliding_window, rotary, qkv_bias=bias, o_bias=bias)
-        qkv = attn.qkv_proj
+        qkv = attn.qkv_proj  # the same projection, with a loader that also reads the per-head fused layout
         attn.qkv_proj = PerHeadFusedQKV(hidden, qkv.head_dim, qkv.total_num_heads, qkv.total_num_kv_heads, bias)
         mlp = PlainMLP(hidden, tc.intermediate_size, True, cfg_get(tc, "hidden_act", "gelu"))
         if cfg_get(tc, "use_parallel_residual", True):
-            return ParallelResidualLayer(hidden, self.eps, True, attn, mlp, shared_norm=False)
-        return PreNormLayer(hidden, self.eps, True, attn, mlp)
+            return ParallelResidualLayer(hidden, self.eps, attn, mlp, shared_norm=False)
+        return PreNormLayer(hidden, self.eps, attn, mlp)

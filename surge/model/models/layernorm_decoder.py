@@ -55,23 +55,23 @@ class QKNormAttention(DecoderAttention):
 
 
 class PreNormLayer(DecoderLayer):
-    """Llama's layer with LayerNorms: h = x + attn(ln1(x)); h + mlp(ln2(h))."""
+    """Llama's layer with LayerNorms (with bias): h = x + attn(ln1(x)); h + mlp(ln2(h))."""
 
-    def __init__(self, hidden: int, eps: float, bias: bool, self_attn: nn.Module, mlp: nn.Module) -> None:
+    def __init__(self, hidden: int, eps: float, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__(hidden, eps, self_attn, mlp)
-        self.input_layernorm = LayerNorm(hidden, eps, bias)
-        self.post_attention_layernorm = LayerNorm(hidden, eps, bias)
+        self.input_layernorm = LayerNorm(hidden, eps)
+        self.post_attention_layernorm = LayerNorm(hidden, eps)
 
 
 class ParallelResidualLayer(nn.Module):
-    """x + attn(ln1(x)) + mlp(ln2(x)); with shared_norm the MLP reads ln1(x) too (one norm per layer)."""
+    """x + attn(ln1(x)) + mlp(ln2(x)), LayerNorms with bias; with shared_norm the MLP reads ln1(x) too (one norm
+    per layer)."""
 
-    def __init__(self, hidden: int, eps: float, bias: bool, self_attn: nn.Module, mlp: nn.Module,
-                 shared_norm: bool) -> None:
+    def __init__(self, hidden: int, eps: float, self_attn: nn.Module, mlp: nn.Module, shared_norm: bool) -> None:
         super().__init__()
         self.self_attn, self.mlp = self_attn, mlp
-        self.input_layernorm = LayerNorm(hidden, eps, bias)
-        self.post_attention_layernorm = None if shared_norm else LayerNorm(hidden, eps, bias)
+        self.input_layernorm = LayerNorm(hidden, eps)
+        self.post_attention_layernorm = None if shared_norm else LayerNorm(hidden, eps)
 
     def forward(self, positions, x, residual, meta):
         """As DecoderLayer: the residual stream arrives apart from the last layer's output and is summed here."""
@@ -84,10 +84,9 @@ class ParallelResidualLayer(nn.Module):
 
 
 class LayerNormCausalLM(CausalLM):
-    """embed_tokens, layers (from `make_layer`), a final LayerNorm `norm`, lm_head; one rotary table for all
-    layers (partial where the rope parameters' partial_rotary_factor says so)."""
+    """embed_tokens, layers (from `make_layer`), a final LayerNorm `norm` (with bias), lm_head; one rotary table for
+    all layers (partial where the rope parameters' partial_rotary_factor says so)."""
     eps_field = "layer_norm_eps"
-    norm_bias = True
 
     def __init__(self, config, quant_config=None) -> None:
         super().__init__(config, quant_config)
@@ -98,7 +97,7 @@ class LayerNormCausalLM(CausalLM):
         self.layers = nn.ModuleList(
             self.make_layer(i, config.sliding_window if layer_type == "sliding_attention" else None, rotary)
             for i, layer_type in enumerate(config.layer_types))
-        self.norm = LayerNorm(tc.hidden_size, self.eps, self.norm_bias)
+        self.norm = LayerNorm(tc.hidden_size, self.eps)
         self.lm_head = self.make_lm_head(self.embed_tokens)
 
     def make_layer(self, layer_index: int, sliding_window: int | None, rotary: RotaryEmbedding) -> nn.Module:

@@ -26,7 +26,7 @@ class PhiForCausalLM(LayerNormCausalLM):
         else:
             attn = DecoderAttention(tc, sliding_window, rotary, qkv_bias=True, o_bias=True)
         mlp = PlainMLP(tc.hidden_size, tc.intermediate_size, True, cfg_get(tc, "hidden_act", "gelu_new"))
-        return ParallelResidualLayer(tc.hidden_size, self.eps, True, attn, mlp, shared_norm=True)
+        return ParallelResidualLayer(tc.hidden_size, self.eps, attn, mlp, shared_norm=True)
 
     def make_lm_head(self, embed: VocabParallelEmbedding) -> ParallelLMHead:
         head = ParallelLMHead(self.tc.vocab_size, self.tc.hidden_size, bias=True)

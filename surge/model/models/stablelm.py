@@ -49,8 +49,8 @@ class StableLmForCausalLM(LayerNormCausalLM):
             attn = DecoderAttention(tc, sliding_window, rotary, qkv_bias=qkv_bias)
         mlp = MLP(hidden, tc.intermediate_size, act=cfg_get(tc, "hidden_act", "silu"))
         if cfg_get(tc, "use_parallel_residual", False):
-            return ParallelResidualLayer(hidden, self.eps, True, attn, mlp, shared_norm=True)
-        return PreNormLayer(hidden, self.eps, True, attn, mlp)
+            return ParallelResidualLayer(hidden, self.eps, attn, mlp, shared_norm=True)
+        return PreNormLayer(hidden, self.eps, attn, mlp)
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, ShardId] | None:
         m = _HEAD_NORM.match(name.removeprefix("model."))

@@ -20,4 +20,4 @@ class Starcoder2ForCausalLM(LayerNormCausalLM):
         bias = bool(cfg_get(tc, "use_bias", True))
         attn = DecoderAttention(tc, sliding_window, rotary, qkv_bias=bias, o_bias=bias)
         mlp = PlainMLP(tc.hidden_size, tc.intermediate_size, bias, cfg_get(tc, "hidden_act", "gelu_pytorch_tanh"))
-        return PreNormLayer(tc.hidden_size, self.eps, True, attn, mlp)
+        return PreNormLayer(tc.hidden_size, self.eps, attn, mlp)
