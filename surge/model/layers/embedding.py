@@ -26,9 +26,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        if loaded.shape != (self.vocab_size, param.shape[1]):
+        if loaded.shape != (self.vocab_size, *param.shape[1:]):  # a weight, or the LM head's bias
             raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit the vocabulary "
-                             f"({self.vocab_size}, {param.shape[1]})")
+                             f"{(self.vocab_size, *param.shape[1:])}")
         rows = self.vocab_end - self.vocab_start
         param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
         param.data[rows:].zero_()
@@ -43,9 +43,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
+        """bias: a logit bias per token (Phi-2), split over the vocabulary like the weight."""
+        super().__init__(vocab_size, hidden_size)
+        self.register_parameter("bias", nn.Parameter(torch.zeros(self.rows_per_rank), requires_grad=False)
+                                if bias else None)
+        if bias:
+            self.bias.weight_loader = self.weight_loader
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [n, V] on rank 0; None on the other ranks."""
-        logits = linear(hidden, self.weight, owner=self)
+        logits = linear(hidden, self.weight, self.bias, owner=self)
         if self.tp_size == 1:
             return logits
         full = get_tp_group().gather(logits, dim=-1)

@@ -110,8 +110,8 @@ class MergedColumnParallelLinear(Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         if shard_id not in self.shard_layout:
-            if shard_id is None and self.tp_size == 1:  # the checkpoint holds the merged tensor already
-                return default_weight_loader(param, loaded)
+            if shard_id is None:  # the checkpoint holds the merged tensor already (Phi-3's qkv_proj, gate_up_proj)
+                return self._load_fused(param, loaded)
             raise ValueError(f"shard {shard_id!r} is not one of {list(self.shard_layout)}")
         offset, size, source_start = self.shard_layout[shard_id]
         target = param.data.narrow(0, offset, size)
@@ -120,6 +120,16 @@ class MergedColumnParallelLinear(Linear):
                              f"of shape {tuple(target.shape)} (rows {source_start}..{source_start + size} of "
                              f"{self.shard_sizes[shard_id]}, rank {self.tp_rank} of {self.tp_size})")
         target.copy_(loaded.narrow(0, source_start, size))
+
+    def _load_fused(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """A checkpoint tensor of every projection stacked in shard order (full sizes): each part loads as its
+        shard, so each rank keeps its own slice of each."""
+        total = sum(self.shard_sizes.values())
+        if loaded.shape[0] != total:
+            raise ValueError(f"fused checkpoint tensor of shape {tuple(loaded.shape)} does not stack the shards "
+                             f"{self.shard_sizes} ({total} rows)")
+        for shard_id, part in zip(self.shard_sizes, loaded.split(list(self.shard_sizes.values()), dim=0)):
+            self.weight_loader(param, part, shard_id)
 
 
 class ColumnParallelLinear(MergedColumnParallelLinear):

@@ -52,3 +52,24 @@ class GemmaRMSNorm(RMSNorm):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dimension (GPT-NeoX, Phi-2, StableLM, StarCoder2): with or without a bias, or
+    non-parametric (affine=False). Like RMSNorm, optionally fused with the residual add that precedes it."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True, affine: bool = True) -> None:
+        super().__init__()
+        self.eps, self.shape = eps, (hidden_size,)
+        weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False) if affine else None
+        self.register_parameter("weight", weight)
+        self.register_parameter("bias", nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+                                if affine and bias else None)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
+        x = x + residual
+        return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps), x

@@ -14,6 +14,11 @@ from surge.model.models.qwen2_moe import Qwen2MoeForCausalLM
 from surge.model.models.smollm3 import SmolLM3ForCausalLM
 from surge.model.models.granite import GraniteForCausalLM
 from surge.model.models.exaone4 import Exaone4ForCausalLM
+from surge.model.models.phi import PhiForCausalLM
+from surge.model.models.phi3 import Phi3ForCausalLM
+from surge.model.models.stablelm import StableLmForCausalLM
+from surge.model.models.gpt_neox import GPTNeoXForCausalLM
+from surge.model.models.starcoder2 import Starcoder2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -30,6 +35,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "PhiForCausalLM": PhiForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "StableLmForCausalLM": StableLmForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
 }
 
 
