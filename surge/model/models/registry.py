@@ -5,12 +5,16 @@ from torch import nn
 
 from surge.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from surge.model.models.qwen3_moe import Qwen3MoeForCausalLM
+from surge.model.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoForCausalLM": OlmoForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
 }
 
 
