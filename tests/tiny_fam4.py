@@ -22,6 +22,9 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "olmo3": ("Olmo3Config", dict(rms_norm_eps=1e-6, sliding_window=12, layer_types=_HYBRID, rope_parameters={
         "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # 8 experts of intermediate_size 32, 3 per token, renormalized; clip_qkv after the projection norms
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=3, norm_topk_prob=True,
+                                  clip_qkv=2.0, rms_norm_eps=1e-6, rope_theta=10000.0)),
 }
 
 

@@ -6,6 +6,7 @@ from torch import nn
 from surge.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from surge.model.models.qwen3_moe import Qwen3MoeForCausalLM
 from surge.model.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoForCausalLM
+from surge.model.models.olmoe import OlmoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -15,6 +16,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "OlmoForCausalLM": OlmoForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 
