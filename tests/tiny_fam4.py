@@ -25,6 +25,10 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     # 8 experts of intermediate_size 32, 3 per token, renormalized; clip_qkv after the projection norms
     "olmoe": ("OlmoeConfig", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=3, norm_topk_prob=True,
                                   clip_qkv=2.0, rms_norm_eps=1e-6, rope_theta=10000.0)),
+    "cohere": ("CohereConfig", dict(tie_word_embeddings=True, logit_scale=0.25, rope_theta=10000.0)),
+    # per-head q/k LayerNorms and attention biases
+    "cohere-qk-norm": ("CohereConfig", dict(tie_word_embeddings=True, logit_scale=0.25, use_qk_norm=True,
+                                            attention_bias=True, rope_theta=10000.0)),
 }
 
 

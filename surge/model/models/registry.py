@@ -7,6 +7,7 @@ from surge.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3Fo
 from surge.model.models.qwen3_moe import Qwen3MoeForCausalLM
 from surge.model.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoForCausalLM
 from surge.model.models.olmoe import OlmoeForCausalLM
+from surge.model.models.cohere import CohereForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -17,6 +18,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
 }
 
 
