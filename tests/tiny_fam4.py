@@ -29,6 +29,12 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     # per-head q/k LayerNorms and attention biases
     "cohere-qk-norm": ("CohereConfig", dict(tie_word_embeddings=True, logit_scale=0.25, use_qk_norm=True,
                                             attention_bias=True, rope_theta=10000.0)),
+    # rope on half of each head (8 of 16 channels), interleaved; q/k/v biases
+    "glm": ("GlmConfig", dict(rms_norm_eps=1e-6, attention_bias=True, partial_rotary_factor=0.5)),
+    "glm4": ("Glm4Config", dict(rms_norm_eps=1e-6, attention_bias=True, partial_rotary_factor=0.5)),
+    # biases on every projection, tied embeddings
+    "ernie4_5": ("Ernie4_5Config", dict(rms_norm_eps=1e-6, use_bias=True, tie_word_embeddings=True,
+                                        rope_theta=500000.0)),
 }
 
 

@@ -8,6 +8,8 @@ from surge.model.models.qwen3_moe import Qwen3MoeForCausalLM
 from surge.model.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoForCausalLM
 from surge.model.models.olmoe import OlmoeForCausalLM
 from surge.model.models.cohere import CohereForCausalLM
+from surge.model.models.glm import Glm4ForCausalLM, GlmForCausalLM
+from surge.model.models.ernie4_5 import Ernie4_5ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -19,6 +21,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
 }
 
 
