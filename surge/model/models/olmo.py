@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from surge.attention.backend import AttentionMetadata, Prologue
-from surge.config import ModelConfig, ParallelConfig
+from surge.distributed.parallel_state import get_tp_group
 from surge.model.arch import cfg_get
 from surge.model.layers.layernorm import LayerNorm
 from surge.model.layers.norm import RMSNorm
@@ -21,6 +21,36 @@ from surge.model.models.llama import DecoderAttention, LlamaForCausalLM
 OLMO_LAYER_NORM_EPS = 1e-5  # HF's OlmoLayerNorm hard-codes it; the config has no field for it
 
 
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole projection (every head) whose heads tensor parallelism splits: a rank holds the weight
+    of its slice [start, start + size) of total_size channels, and the sum of squares is summed over the ranks (an
+    all-reduce of one float per token), each slice held by `replicas` ranks counted once."""
+
+    def __init__(self, total_size: int, start: int, size: int, eps: float, replicas: int = 1) -> None:
+        super().__init__()
+        self.total_size, self.start, self.eps, self.replicas = total_size, start, eps, replicas
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if tuple(loaded.shape) != (self.total_size,):
+            raise ValueError(f"norm weight of shape {tuple(loaded.shape)}, expected ({self.total_size},)")
+        param.data.copy_(loaded.narrow(0, self.start, param.shape[0]))
+
+    def sum_of_squares(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the whole projection's sum of squares, [T, 1] float32."""
+        partial = x.float().pow(2).sum(-1, keepdim=True)
+        return partial / self.replicas if self.replicas > 1 else partial
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if self.weight.shape[0] == self.total_size:  # one rank holds it all
+            mean_square = xf.pow(2).mean(-1, keepdim=True)
+        else:
+            mean_square = get_tp_group().all_reduce(self.sum_of_squares(x)) / self.total_size
+        return (self.weight * (xf * torch.rsqrt(mean_square + self.eps))).to(x.dtype)  # HF's order (Olmo2RMSNorm)
+
+
 class OlmoAttention(DecoderAttention):
     """Llama's attention, with optionally an RMSNorm over the whole q and k projections (`projection_norm`) and q, k,
     v clamped to [-clip_qkv, clip_qkv] (after the norm, as OLMoE orders them)."""
@@ -28,10 +58,13 @@ class OlmoAttention(DecoderAttention):
     def __init__(self, tc, sliding_window: int | None, rotary: RotaryEmbedding | None, *, bias: bool,
                  projection_norm: bool, clip_qkv: float | None) -> None:
         super().__init__(tc, sliding_window, rotary, qkv_bias=bias, o_bias=bias)
-        eps = cfg_get(tc, "rms_norm_eps", 1e-5)
-        # The norms span every head: one rank must hold them all (check_parallel refuses tensor parallelism).
-        self.q_norm = RMSNorm(self.q_size, eps) if projection_norm else None
-        self.k_norm = RMSNorm(self.kv_size, eps) if projection_norm else None
+        eps, d, shard = cfg_get(tc, "rms_norm_eps", 1e-5), self.head_dim, self.qkv_proj.shard
+        total_kv_heads, tp = self.qkv_proj.total_num_kv_heads, get_tp_group().world_size
+        kv_replicas = tp // total_kv_heads if tp > total_kv_heads else 1  # ranks sharing each KV head
+        self.q_norm = ProjectionRMSNorm(tc.num_attention_heads * d, shard.q_start * d, self.q_size, eps) \
+            if projection_norm else None
+        self.k_norm = ProjectionRMSNorm(total_kv_heads * d, shard.kv_start * d, self.kv_size, eps, kv_replicas) \
+            if projection_norm else None
         self.clip_qkv = clip_qkv
 
     def prologue(self, positions: torch.Tensor) -> Prologue:
@@ -50,14 +83,6 @@ class OlmoAttention(DecoderAttention):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, meta, self.prologue(positions))
         return self.o_proj(out.flatten(1))
-
-
-def refuse_tensor_parallel_projection_norm(config: ModelConfig, parallel: ParallelConfig) -> None:
-    tp = parallel.tensor_parallel_size
-    if tp > 1:
-        raise ValueError(f"tensor_parallel_size={tp} is not supported for {config.architecture}: its q_norm / k_norm "
-                         "normalize the whole q / k projection (every head), which the ranks split; use "
-                         "tensor_parallel_size=1")
 
 
 class PostNormDecoderLayer(nn.Module):
@@ -98,11 +123,6 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         eps = cfg_get(self.tc, "rms_norm_eps", 1e-5)
         self.layers = nn.ModuleList(PostNormDecoderLayer(self.tc.hidden_size, eps, layer.self_attn, layer.mlp)
                                     for layer in self.layers)
-
-    @classmethod
-    def check_parallel(cls, config: ModelConfig, parallel: ParallelConfig) -> None:
-        refuse_tensor_parallel_projection_norm(config, parallel)
-        super().check_parallel(config, parallel)
 
     def make_attention(self, layer_index, sliding_window, rotary) -> nn.Module:
         tc = self.tc

@@ -8,21 +8,18 @@ from __future__ import annotations
 
 from torch import nn
 
-from surge.config import ModelConfig, ParallelConfig
 from surge.model.arch import cfg_get, require
 from surge.model.layers.moe import SparseMoeBlock
-from surge.model.models.olmo import OlmoAttention, refuse_tensor_parallel_projection_norm
+from surge.model.models.olmo import OlmoAttention
 from surge.model.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class OlmoeForCausalLM(Qwen3MoeForCausalLM):
-    @classmethod
-    def check_parallel(cls, config: ModelConfig, parallel: ParallelConfig) -> None:
-        refuse_tensor_parallel_projection_norm(config, parallel)
-        super().check_parallel(config, parallel)
-
     def make_attention(self, layer_index, sliding_window, rotary) -> nn.Module:
         tc = self.tc
+        # HF's OLMoE slides every layer by a sliding_window its config class does not declare (so Surge's
+        # layer_types do not see it): refused rather than silently attending to everything.
+        require(tc, "sliding_window", (None,))
         return OlmoAttention(tc, sliding_window, rotary, bias=bool(cfg_get(tc, "attention_bias", False)),
                              projection_norm=True, clip_qkv=cfg_get(tc, "clip_qkv"))
 
