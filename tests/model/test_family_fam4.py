@@ -68,7 +68,7 @@ def test_projection_norm_split_over_ranks_equals_the_whole(monkeypatch, tp, num_
 
 
 @pytest.mark.parametrize("kind", ["olmo2", "cohere-qk-norm"])
-def test_tp2_matches_one_rank(kind, tmp_path):
+def test_qk_norms_over_two_ranks_match_one_rank(kind, tmp_path):
     """OLMo 2's whole-projection norms (an all-reduce of the sums of squares) and Cohere's per-head norms (split by
     heads) over two ranks (gloo): the same greedy tokens and logprobs as one rank."""
     path = make_tiny_model(kind, tmp_path / kind)
