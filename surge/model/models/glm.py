@@ -1,6 +1,7 @@
-"""GLM (GLM-4-9B-0414's predecessor, `GlmForCausalLM`) and GLM-4 (`Glm4ForCausalLM`): Llama's decoder with q/k/v
-biases (attention_bias; o_proj has none), rope on the first partial_rotary_factor of each head in GPT-J's interleaved
-layout, and the MLP's gate and up projections fused in one checkpoint tensor (gate_up_proj, gate rows first).
+"""GLM (`GlmForCausalLM`, e.g. glm-4-9b-chat-hf) and GLM-4 (`Glm4ForCausalLM`, the GLM-4-0414 models): Llama's
+decoder with q/k/v biases (attention_bias; o_proj has none), rope on the first partial_rotary_factor of each head in
+GPT-J's interleaved layout, and the MLP's gate and up projections fused in one checkpoint tensor (gate_up_proj, gate
+rows first).
 
 GLM-4 adds a norm after each block (post_self_attn_layernorm, post_mlp_layernorm) to the pre-norms.
 """
