@@ -19,6 +19,11 @@ from surge.model.models.phi3 import Phi3ForCausalLM
 from surge.model.models.stablelm import StableLmForCausalLM
 from surge.model.models.gpt_neox import GPTNeoXForCausalLM
 from surge.model.models.starcoder2 import Starcoder2ForCausalLM
+from surge.model.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoForCausalLM
+from surge.model.models.olmoe import OlmoeForCausalLM
+from surge.model.models.cohere import CohereForCausalLM
+from surge.model.models.glm import Glm4ForCausalLM, GlmForCausalLM
+from surge.model.models.ernie4_5 import Ernie4_5ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -40,6 +45,14 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "StableLmForCausalLM": StableLmForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+    "OlmoForCausalLM": OlmoForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
 }
 
 
