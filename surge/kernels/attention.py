@@ -18,6 +18,7 @@ from triton.language.extra import libdevice
 from surge.kernels.warmup import CompiledKernel
 
 LOG2E = 1.4426950408889634  # the kernel's softmax runs on exp2: logits are carried times log2(e)
+_LOG2E = tl.constexpr(LOG2E)
 # Triton's interpreter has no libdevice: soft-capping's tanh then comes from exp.
 _LIBDEVICE_TANH = tl.constexpr(not triton.knobs.runtime.interpret)
 
@@ -197,7 +198,7 @@ def _paged_attention_kernel(
         # The sink is one more key, of logit sinks[head] and value zero, seen before the first tile. Only the first
         # split holds it, so the merge (a sum of the splits' denominators) counts it once.
         if split == 0:
-            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * LOG2E
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * _LOG2E
             l_i = l_i + 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
