@@ -374,7 +374,7 @@ def test_warm_up_compiles_what_the_launch_runs(shape, softcap, with_sinks):
     sinks = _sinks(8).to(device) if with_sinks else None
     layer = params(q, cache, 9, 32 ** -0.5, softcap, sinks)
     backend = TritonAttentionBackend()
-    kernel = backend._kernels[device] = PagedAttention(device, num_sms)
+    kernel = backend._kernels[q.device] = PagedAttention(q.device, num_sms)  # cuda:0, as forward looks it up
     decode = all(n == 1 for _, n in requests)
     keys = warm_up_keys(kernel, (layer,), 16, torch.bfloat16, [len(requests)] if decode else [], len(requests))
     kernel.compile_many(keys)
