@@ -45,16 +45,14 @@ class TritonAttentionBackend(AttentionBackend):
                 sinks=None):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         slots = meta.slot_mapping
-        if prologue is not None and (prologue.interleaved or prologue.rotary_dim != q.shape[-1]):
-            q, k = prologue.apply(q, k)  # layouts the fused kernel does not take: rotated apart, then written
-            prologue = None
         if prologue is None:
             from surge.kernels.kv_cache import write_kv_cache
             write_kv_cache(k, v, k_cache, v_cache, slots)
         else:  # norm + rotary + cache write in one launch
             from surge.kernels.rotary import rotary_write_kv
             rotary_write_kv(prologue.positions, q, k, v, prologue.cos_cache, prologue.sin_cache, k_cache, v_cache,
-                            slots, prologue.q_norm_weight, prologue.k_norm_weight, prologue.norm_eps)
+                            slots, prologue.q_norm_weight, prologue.k_norm_weight, prologue.norm_eps,
+                            prologue.interleaved)
         return self.kernel(q.device)(
             q, k_cache, v_cache, meta.block_table, meta.seq_lens_t, meta.query_start_loc_t,
             num_seqs=meta.num_reqs, decode_only=meta.decode_only, sliding_window=params.sliding_window,

@@ -24,7 +24,7 @@ SM_MAX_PROGRAMS = 32
 # The kernel's arguments that are not 32-bit integers; None: a pointer to the model's dtype.
 _ARG_TYPES = {"q_ptr": None, "k_cache_ptr": None, "v_cache_ptr": None, "out_ptr": None, "part_acc_ptr": "*fp32",
               "part_ml_ptr": "*fp32", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-              "query_start_loc_ptr": "*i32", "qk_scale": "fp32"}
+              "query_start_loc_ptr": "*i32", "qk_scale": "fp32", "sinks_ptr": "*fp32", "softcap": "fp32"}
 _TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 
 

@@ -4,6 +4,7 @@ cache; decode-only batches may split the KV sequence across programs (flash-deco
 One program owns a tile of BLOCK_Q query tokens x all query heads of one KV head (a GQA group), so each K/V tile it
 loads serves the whole group. Loop bounds come from seq_lens and query_start_loc in device memory, and the grid from
 the token and request counts, so a launch captured in a CUDA graph stays valid for any sequence lengths.
+Compile-time variants: sliding window, logit soft-capping (Gemma 2) and attention sinks (gpt-oss).
 """
 from __future__ import annotations
 
@@ -12,8 +13,14 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from surge.kernels.warmup import CompiledKernel
+
+LOG2E = 1.4426950408889634  # the kernel's softmax runs on exp2: logits are carried times log2(e)
+_LOG2E = tl.constexpr(LOG2E)
+# Triton's interpreter has no libdevice: soft-capping's tanh then comes from exp.
+_LIBDEVICE_TANH = tl.constexpr(not triton.knobs.runtime.interpret)
 
 # Decode: keep at least this many programs per SM before splitting the KV sequence (memory-bound: more warps in
 # flight per SM hide latency), and never more than MAX_SPLITS pieces.
@@ -100,17 +107,28 @@ def _find_request(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr)
     return lo - 1
 
 
+@triton.jit
+def _tanh(x):
+    if _LIBDEVICE_TANH:
+        return libdevice.tanh(x)
+    else:
+        e = tl.exp(-2.0 * tl.abs(x))  # in (0, 1]: no overflow at any x
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+
 # Values that change from step to step must not pick a variant (Triton specializes ints that are 1 or 16-aligned).
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-        block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-        num_seqs, qk_scale, window,
+        block_table_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
+        num_seqs, qk_scale, window, softcap,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        SLIDING: tl.constexpr, DECODE: tl.constexpr, SEARCH: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        SLIDING: tl.constexpr, DECODE: tl.constexpr, SEARCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -176,6 +194,12 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # The sink is one more key, of logit sinks[head] and value zero, seen before the first tile. Only the first
+        # split holds it, so the merge (a sum of the splits' denominators) counts it once.
+        if split == 0:
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * _LOG2E
+            l_i = l_i + 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     for tile in range(tile_lo, tile_hi):
@@ -185,6 +209,8 @@ def _paged_attention_kernel(
         slot = block_id.to(tl.int64) * stride_cb + (pos % CACHE_BLOCK) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + slot[None, :] + dim[:, None], mask=pos_ok[None, :] & dim_ok[:, None], other=0.0)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # log2 domain: qk_scale includes log2(e)
+        if SOFTCAP:  # cap * tanh(s / cap) of the natural score: with s and softcap both times log2(e), the same
+            s = softcap * _tanh(s / softcap)
         visible = pos[None, :] <= q_pos[:, None]
         if SLIDING:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -236,7 +262,8 @@ def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_o
 
 @dataclass(frozen=True)
 class AttentionKey:
-    """What a compiled variant depends on: dtypes, head geometry, cache block size, window on/off, launch."""
+    """What a compiled variant depends on: dtypes, head geometry, cache block size, window, soft-cap and sinks
+    on/off, launch."""
     dtype: torch.dtype
     num_q_heads: int
     num_kv_heads: int
@@ -269,19 +296,23 @@ class PagedAttention(CompiledKernel):
                  logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (same strides); block_table:
         [num_seqs, max_blocks] int32; seq_lens: [num_seqs] (tokens in the cache after this step, including this
-        step's); query_start_loc: [num_seqs + 1] int32. decode_only: every request has exactly one query token."""
-        if logit_softcap is not None or sinks is not None:
-            raise NotImplementedError("logit soft-capping and attention sinks are not in the Triton kernel yet")
+        step's); query_start_loc: [num_seqs + 1] int32. decode_only: every request has exactly one query token.
+        logit_softcap: scores s -> cap * tanh(s / cap) before masking; sinks: [Hq] float32, a logit per query head
+        in each softmax's denominator."""
         num_tokens, num_q_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
+        if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.dtype != torch.float32):
+            raise ValueError(f"sinks {tuple(sinks.shape)} {sinks.dtype} must be [{num_q_heads}] float32: one logit "
+                             "per query head")
         key = self.dispatch(decode_only=decode_only, num_seqs=num_seqs, num_q_heads=num_q_heads,
                             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=q.dtype,
-                            sliding=sliding_window is not None, num_tokens=num_tokens)
+                            sliding=sliding_window is not None, num_tokens=num_tokens,
+                            softcap=logit_softcap is not None, sinks=sinks is not None)
         self.ensure(key)
         if out is None:
             out = torch.empty_like(q)
         _launch(key, q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, num_tokens, num_seqs,
-                sliding_window or 0, scale)
+                sliding_window or 0, scale, logit_softcap or 0.0, sinks)
         return out
 
     def compile(self, key: AttentionKey) -> object:
@@ -293,8 +324,10 @@ class PagedAttention(CompiledKernel):
         table = torch.zeros(1, 16, dtype=torch.int32, device=dev)
         seq_lens = torch.ones(1, dtype=torch.int64, device=dev)
         query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        sinks = torch.zeros(hq, dtype=torch.float32, device=dev) if key.sinks else None
         return _launch(key, q, kv_cache[0], kv_cache[1], torch.empty(1, hq, d, dtype=key.dtype, device=dev), table,
-                       seq_lens, query_start_loc, 1, 1, 1 if key.sliding else 0, d ** -0.5, warmup=True)
+                       seq_lens, query_start_loc, 1, 1, 1 if key.sliding else 0, d ** -0.5,
+                       50.0 if key.softcap else 0.0, sinks, warmup=True)
 
 
 def launch_constexprs(key: AttentionKey) -> dict:
@@ -303,13 +336,15 @@ def launch_constexprs(key: AttentionKey) -> dict:
     return dict(GROUP=key.num_q_heads // key.num_kv_heads, HEAD_DIM=key.head_dim,
                 HEAD_DIM_PAD=max(16, triton.next_power_of_2(key.head_dim)), CACHE_BLOCK=key.block_size,
                 BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, NUM_SPLITS=launch.num_splits,
-                SLIDING=key.sliding, DECODE=launch.decode, SEARCH=launch.search,
+                SLIDING=key.sliding, DECODE=launch.decode, SEARCH=launch.search, SOFTCAP=key.softcap,
+                HAS_SINKS=key.sinks,
                 DOT_PRECISION="ieee" if key.dtype == torch.float32 else "tf32",
                 num_warps=launch.num_warps, num_stages=launch.num_stages)
 
 
 def _launch(key: AttentionKey, q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, num_tokens: int,
-            num_seqs: int, window: int, scale: float, warmup: bool = False):
+            num_seqs: int, window: int, scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+            warmup: bool = False):
     launch = key.launch
     head_dim_pad = max(16, triton.next_power_of_2(key.head_dim))
     assert tuple(k_cache.stride()) == tuple(v_cache.stride()), "K and V caches must share a layout"
@@ -329,8 +364,10 @@ def _launch(key: AttentionKey, q, k_cache, v_cache, out, block_table, seq_lens, 
         part_ml = torch.empty(parts * 2, dtype=torch.float32, device=q.device)
     else:  # the kernel never touches them without splits: any float32 pointer will do
         part_acc = part_ml = torch.empty(0, dtype=torch.float32, device=q.device)
+    assert (sinks is not None) == key.sinks and (softcap > 0) == key.softcap
     args = (q, k_cache, v_cache, out, part_acc, part_ml, block_table, seq_lens, query_start_loc,
-            num_seqs, scale * 1.4426950408889634, window,
+            sinks if key.sinks else part_ml,  # without sinks never read: any float32 pointer
+            num_seqs, scale * LOG2E, window, softcap * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0))
     constexprs = launch_constexprs(key)

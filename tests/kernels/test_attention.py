@@ -1,5 +1,6 @@
 """Triton paged attention and KV write against TorchAttentionBackend and a dense float64 reference: mixed batches of
-decode rows and prefill chunks with cached context, GQA, sliding windows, NaN in every slot nobody wrote."""
+decode rows and prefill chunks with cached context, GQA, sliding windows, logit soft-capping and sinks, NaN in every
+slot nobody wrote."""
 from __future__ import annotations
 
 import math
@@ -15,9 +16,10 @@ MIXED = [(0, 1), (16, 1), (38, 1), (0, 7), (21, 12), (5, 33)]
 DECODE = [(0, 1), (16, 1), (38, 1), (70, 1)]
 
 
-def params(q, cache, window, scale):
+def params(q, cache, window, scale, softcap=None, sinks=None):
     """The layer parameters of q [T, Hq, D] over cache [2, N, B, Hkv, D]."""
-    return AttentionParams(q.shape[1], cache.shape[3], q.shape[2], scale, window)
+    return AttentionParams(q.shape[1], cache.shape[3], q.shape[2], scale, window, logit_softcap=softcap,
+                           has_sinks=sinks is not None)
 
 
 def _batch(requests, block_size, num_q_heads, num_kv_heads, head_dim, dtype, device, seed):
@@ -57,8 +59,9 @@ def _batch(requests, block_size, num_q_heads, num_kv_heads, head_dim, dtype, dev
     return (q.to(device), k_new.to(device), v_new.to(device), cache.to(device), meta, full_k, full_v)
 
 
-def _dense_reference(q, full_k, full_v, requests, window, scale):
-    """Per request, per query: explicit softmax over visible positions, in float64."""
+def _dense_reference(q, full_k, full_v, requests, window, scale, softcap=None, sinks=None):
+    """Per request, per query: explicit softmax over visible positions, in float64; soft-capped scores
+    cap * tanh(s / cap); a sink: one more logit per head in the denominator, weighting no value."""
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // full_k[0].shape[1]
     t = 0
@@ -69,19 +72,25 @@ def _dense_reference(q, full_k, full_v, requests, window, scale):
             pos = ctx + i
             lo = 0 if window is None else max(0, pos - window + 1)
             scores = torch.einsum("hd,khd->hk", q[t].double().cpu(), keys[lo:pos + 1]) * scale
-            out[t] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[lo:pos + 1])
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            if sinks is not None:
+                probs = torch.cat((scores, sinks.double().cpu()[:, None]), dim=-1).softmax(-1)[:, :-1]
+            else:
+                probs = scores.softmax(-1)
+            out[t] = torch.einsum("hk,khd->hd", probs, values[lo:pos + 1])
             t += 1
     return out
 
 
-def _run_triton(q, k, v, cache, meta, window, scale, num_sms=None):
+def _run_triton(q, k, v, cache, meta, window, scale, num_sms=None, softcap=None, sinks=None):
     from surge.attention.triton_backend import TritonAttentionBackend
 
     backend = TritonAttentionBackend()
     if num_sms is not None:
         from surge.kernels.attention import PagedAttention
         backend._kernels[q.device] = PagedAttention(q.device, num_sms)
-    return backend.forward(q, k, v, cache, meta, params(q, cache, window, scale))
+    return backend.forward(q, k, v, cache, meta, params(q, cache, window, scale, softcap, sinks), sinks=sinks)
 
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -254,3 +263,122 @@ def test_mixed_graph_padding_leaves_real_rows_alone(padded_tokens, padded_reqs, 
     assert int(written.sum()) == n * 2 * 2 * 32  # the real tokens' k and v only
     dense = _dense_reference(q, full_k, full_v, requests, None, 32 ** -0.5)
     torch.testing.assert_close(got[:n].double().cpu(), dense, atol=2e-5, rtol=2e-5)
+
+
+# Soft-capping and sinks through every launch shape: (requests, num_sms, the splits the policy must pick). Decode
+# without and with split-KV, a few-token mixed step (split, merged), a general mixed batch (over FEW_TOKENS tokens:
+# one launch, requests found by bisection).
+SHAPES = {
+    "decode": ([(0, 1), (150, 1), (37, 1)], 1, 1),
+    "decode-split": ([(0, 1), (150, 1), (37, 1)], 64, 16),
+    "few-token-split": ([(150, 5), (37, 3), (0, 4), (90, 1)], 132, 16),
+    "mixed": (MIXED + [(10, 30)], 132, 1),
+}
+SOFTCAP = 4.0  # with q scaled by 3 the scores reach well past it: tanh bends them
+
+
+def _sinks(num_heads):
+    """A logit per query head: small, large negative (the sink weighs nothing), large positive (it takes most)."""
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(2))
+    sinks[0], sinks[-1] = -30.0, 6.0
+    return sinks
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("softcap,with_sinks", [(SOFTCAP, False), (None, True), (SOFTCAP, True)],
+                         ids=["softcap", "sinks", "both"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_softcap_and_sinks_match_references(shape, softcap, with_sinks, window, device):
+    from surge.kernels.attention import launch_policy
+
+    requests, num_sms, expected_splits = SHAPES[shape]
+    q, k, v, cache, meta, full_k, full_v = _batch(requests, 16, 8, 2, 32, torch.float32, device, seed=6)
+    q = q * 3
+    sinks = _sinks(8).to(device) if with_sinks else None
+    decode = all(n == 1 for _, n in requests)
+    splits = launch_policy(decode_only=decode, num_seqs=len(requests), num_q_heads=8, num_kv_heads=2, head_dim=32,
+                           dtype=torch.float32, num_sms=num_sms, num_tokens=meta.num_tokens).num_splits
+    assert splits == expected_splits
+    zeroed = torch.nan_to_num(cache, nan=0.0)
+    expected = TorchAttentionBackend().forward(q, k, v, zeroed, meta, params(q, cache, window, 32 ** -0.5, softcap,
+                                                                             sinks), sinks=sinks)
+    got = _run_triton(q, k, v, cache, meta, window, 32 ** -0.5, num_sms=num_sms, softcap=softcap, sinks=sinks)
+    assert not got.isnan().any()
+    dense = _dense_reference(q, full_k, full_v, requests, window, 32 ** -0.5, softcap, sinks)
+    torch.testing.assert_close(got.double().cpu(), dense, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got, expected, atol=4e-5, rtol=4e-5)
+    if with_sinks:  # the sink took its share: rows are no longer convex combinations of the values alone
+        plain = _dense_reference(q, full_k, full_v, requests, window, 32 ** -0.5, softcap)
+        assert (dense - plain).abs().amax() > 0.1
+
+
+@pytest.mark.parametrize("shape", ["decode-split", "mixed"])
+def test_softcap_and_sinks_bf16(shape, device, request):
+    request.getfixturevalue("require_bf16_dot")
+    requests, num_sms, _ = SHAPES[shape]
+    q, k, v, cache, meta, full_k, full_v = _batch(requests, 16, 8, 2, 32, torch.bfloat16, device, seed=8)
+    q = q * 3
+    sinks = _sinks(8).to(device)
+    got = _run_triton(q, k, v, cache, meta, 9, 32 ** -0.5, num_sms=num_sms, softcap=SOFTCAP, sinks=sinks)
+    dense = _dense_reference(q, full_k, full_v, requests, 9, 32 ** -0.5, SOFTCAP, sinks)
+    torch.testing.assert_close(got.double().cpu(), dense, atol=2e-2, rtol=2e-2)
+
+
+def test_padding_rows_with_sinks_are_zero(device):
+    """A graph's padding rows (seq_len 0) see only the sink: nothing to weigh, they come out as zeros, split or not."""
+    for num_sms in (1, 132):
+        requests = [(9, 1), (30, 1)]
+        q, k, v, cache, meta, full_k, full_v = _batch(requests, 16, 8, 2, 32, torch.float32, device, seed=5)
+        qp = torch.cat([q, torch.randn(2, *q.shape[1:], device=device)])
+        kp, vp = (torch.cat([t, torch.randn(2, *t.shape[1:], device=device)]) for t in (k, v))
+        meta.num_reqs, meta.num_tokens = 4, 4
+        meta.query_start_loc = [0, 1, 2, 3, 4]
+        meta.query_start_loc_t = torch.arange(5, dtype=torch.int32, device=device)
+        meta.seq_lens_t = torch.cat([meta.seq_lens_t, torch.zeros(2, dtype=torch.int64, device=device)])
+        meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((2,), -1, device=device)])
+        meta.block_table = torch.cat([meta.block_table, torch.zeros_like(meta.block_table[:2])])
+        sinks = _sinks(8).to(device)
+        got = _run_triton(qp, kp, vp, cache, meta, None, 32 ** -0.5, num_sms=num_sms, softcap=SOFTCAP, sinks=sinks)
+        assert torch.equal(got[2:], torch.zeros_like(got[2:]))
+        dense = _dense_reference(q, full_k, full_v, requests, None, 32 ** -0.5, SOFTCAP, sinks)
+        torch.testing.assert_close(got[:2].double().cpu(), dense, atol=2e-5, rtol=2e-5)
+
+
+def test_sinks_must_be_one_float32_logit_per_query_head(device):
+    from surge.kernels.attention import PagedAttention
+
+    q, k, v, cache, meta, _, _ = _batch(DECODE, 16, 8, 2, 32, torch.float32, device, seed=1)
+    kernel = PagedAttention(device, 132)
+    for bad in (torch.zeros(2, device=device), torch.zeros(8, dtype=torch.bfloat16, device=device)):
+        with pytest.raises(ValueError, match="sinks"):
+            kernel(q, cache[0], cache[1], meta.block_table, meta.seq_lens_t, meta.query_start_loc_t,
+                   num_seqs=meta.num_reqs, decode_only=True, sliding_window=None, scale=0.1, sinks=bad)
+
+
+def _num_compiled(kernel) -> int:
+    """Variants of a Triton kernel compiled in this process (its per-device caches)."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles for the GPU")
+@pytest.mark.parametrize("softcap,with_sinks", [(None, False), (SOFTCAP, False), (None, True), (SOFTCAP, True)])
+@pytest.mark.parametrize("shape", ["decode-split", "few-token-split", "mixed"])
+def test_warm_up_compiles_what_the_launch_runs(shape, softcap, with_sinks):
+    """compile() on tiny tensors builds the very variants (both kernels under split-KV) a real launch then uses."""
+    from surge.attention.triton_backend import TritonAttentionBackend, warm_up_keys
+    from surge.kernels.attention import PagedAttention, _merge_splits_kernel, _paged_attention_kernel
+
+    device = torch.device("cuda")
+    requests, num_sms, _ = SHAPES[shape]
+    q, k, v, cache, meta, _, _ = _batch(requests, 16, 8, 2, 32, torch.bfloat16, device, seed=9)
+    sinks = _sinks(8).to(device) if with_sinks else None
+    layer = params(q, cache, 9, 32 ** -0.5, softcap, sinks)
+    backend = TritonAttentionBackend()
+    kernel = backend._kernels[q.device] = PagedAttention(q.device, num_sms)  # cuda:0, as forward looks it up
+    decode = all(n == 1 for _, n in requests)
+    keys = warm_up_keys(kernel, (layer,), 16, torch.bfloat16, [len(requests)] if decode else [], len(requests))
+    kernel.compile_many(keys)
+    before = _num_compiled(_paged_attention_kernel), _num_compiled(_merge_splits_kernel)
+    backend.forward(q, k, v, cache, meta, layer, sinks=sinks)
+    torch.cuda.synchronize()
+    assert (_num_compiled(_paged_attention_kernel), _num_compiled(_merge_splits_kernel)) == before
