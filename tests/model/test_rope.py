@@ -129,3 +129,63 @@ def test_default_table_is_unchanged():
     inv_freq = 1.0 / (100000.0 ** (torch.arange(0, 64, 2, dtype=torch.int64).float() / 64))
     freqs = torch.outer(torch.arange(4096, dtype=torch.float32), inv_freq)
     assert torch.equal(rope.cos_cache, freqs.cos()) and torch.equal(rope.sin_cache, freqs.sin())
+
+
+# ---- HF parity of whole models ----
+
+@pytest.fixture(scope="module")
+def tiny_rope_model(request, tmp_path_factory):
+    family, rope_type = request.param
+    name = f"{family}-{rope_type}"
+    path = make_tiny_rope_model(family, rope_type, tmp_path_factory.mktemp(name))
+    return name, path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _ids(param) -> str:
+    return "-".join(param)
+
+
+@pytest.mark.parametrize("tiny_rope_model", [("llama", "yarn"), ("qwen3", "yarn"), ("llama", "linear")],
+                         indirect=True, ids=_ids)
+def test_length_independent_rope_matches_hf(tiny_rope_model):
+    """Yarn and linear frequencies do not depend on the sequence length: HF's one-shot forward is the reference."""
+    check_all(*tiny_rope_model)
+
+
+def check_against_hf_generate(name: str, path, hf, budget: int, max_tokens: int = 40) -> None:
+    """Surge's greedy tokens, logits and logprobs against HF's cached greedy generate, token by token.
+
+    For rope whose frequencies depend on the sequence length (dynamic, longrope), HF's one-shot forward over a whole
+    sequence (what hf_parity.check_all compares against) rotates every position with the frequencies of the full
+    length, while its own generate rotates each new token with those of the length so far: the two differ past the
+    threshold, and Surge follows generate (see surge/model/layers/rotary.py). So the reference is HF's generate, one
+    prompt at a time, without padding. Prompts stay below the threshold (32): HF runs a prompt in one forward, with
+    the frequencies of its whole length, and resets dynamic's frequencies only for a shorter sequence."""
+    llm = LLM(path, block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=budget, max_model_len=256)
+    records = record_logits(llm)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 13, 29, 31)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1),
+                        use_tqdm=False)
+    rows = {(rid, pos): row for rid, pos, row in records}
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        tokens = out.outputs[0].token_ids
+        assert tokens == ref.sequences[0, len(prompt):].tolist(), f"{name}: greedy tokens differ from HF generate"
+        logits = torch.cat(ref.logits)  # the raw logits of each step, before min_new_tokens masks eos
+        logprobs = torch.log_softmax(logits, -1)
+        for j, token in enumerate(tokens):
+            pos = len(prompt) - 1 + j
+            torch.testing.assert_close(rows[out.request_id, pos], logits[j], atol=ATOL, rtol=RTOL,
+                                       msg=f"{name} prompt of {len(prompt)} pos {pos}")
+            assert out.outputs[0].logprobs[j][token].logprob == pytest.approx(logprobs[j, token].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("budget", [4096, 7])
+@pytest.mark.parametrize("tiny_rope_model", [("llama", "dynamic"), ("qwen3", "dynamic"), ("llama", "longrope")],
+                         indirect=True, ids=_ids)
+def test_length_dependent_rope_matches_hf_generate(tiny_rope_model, budget):
+    check_against_hf_generate(*tiny_rope_model, budget=budget)

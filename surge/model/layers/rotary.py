@@ -68,7 +68,8 @@ def _rope_config(head_dim: int, params: dict) -> PreTrainedConfig:
     # Attributes set after construction: the constructor validates the rope parameters (warnings, and a KeyError
     # listing missing ones); the init function, run next, names what it lacks itself.
     config = PreTrainedConfig()
-    config.rope_parameters, config.head_dim, config.hidden_size, config.num_attention_heads = rope, head_dim, head_dim, 1
+    config.rope_parameters, config.head_dim = rope, head_dim
+    config.hidden_size, config.num_attention_heads = head_dim, 1  # read (head_dim first) by some init functions
     if max_position_embeddings is not None:
         config.max_position_embeddings = max_position_embeddings
     return config
@@ -101,6 +102,7 @@ def _per_position(config: PreTrainedConfig, inv_freq: torch.Tensor, max_position
         if start < max_position:
             # One call for every later length, as HF's forward passes it: an int64 tensor (so float32 math).
             scaled, _ = _init(config, seq_len=torch.arange(start + 1, max_position + 1).unsqueeze(1))
+            assert scaled.shape == (max_position - start, inv_freq.shape[-1]), scaled.shape
             table = torch.cat((table[:start], scaled))
     elif rope_type == "longrope":  # long factors once seq_len > original_max_position_embeddings
         start = params["original_max_position_embeddings"]
