@@ -55,8 +55,9 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm over the last dimension (GPT-NeoX, Phi-2, StableLM, StarCoder2): with or without a bias, or
-    non-parametric (affine=False). Like RMSNorm, optionally fused with the residual add that precedes it."""
+    """LayerNorm over the last dimension (GPT-NeoX, Phi-2, StableLM, StarCoder2, OLMo, Cohere): with or without a
+    bias, or non-parametric (affine=False), computed in float32 and cast back, as HF's OLMo and Cohere norms are (and
+    as torch's own does inside for half precision). Like RMSNorm, optionally fused with the preceding residual add."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True, affine: bool = True) -> None:
         super().__init__()
@@ -66,10 +67,17 @@ class LayerNorm(nn.Module):
         self.register_parameter("bias", nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
                                 if affine and bias else None)
 
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.shape, weight, bias, self.eps).to(x.dtype)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         if residual is None:
-            return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
+            return self._norm(x)
         x = x + residual
-        return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps), x
+        return self._norm(x), x

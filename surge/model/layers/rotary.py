@@ -27,7 +27,7 @@ from torch import nn
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from surge.kernels.reference import rotate_half
+from surge.attention.backend import Prologue
 
 
 def _default_init(config, device=None, seq_len=None, layer_type=None) -> tuple[torch.Tensor, float]:
@@ -146,11 +146,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", sin.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. On CUDA rotated in place by a Triton kernel."""
+        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]; the first rotary_dim channels rotated in this embedding's
+        layout, the rest passed through. On CUDA rotated in place by a Triton kernel."""
         if q.is_cuda:
             from surge.kernels.rotary import apply_rotary
-            apply_rotary(positions, q, k, self.cos_cache, self.sin_cache)
+            apply_rotary(positions, q, k, self.cos_cache, self.sin_cache, interleaved=self.interleaved)
             return q, k
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        return Prologue(positions, self.cos_cache, self.sin_cache, interleaved=self.interleaved).apply(q, k)

@@ -9,7 +9,7 @@ from torch import nn
 
 from surge.attention.backend import AttentionMetadata
 from surge.model.arch import cfg_get, head_dim
-from surge.model.layers.layernorm import LayerNorm
+from surge.model.layers.norm import LayerNorm
 from surge.model.layers.rotary import RotaryEmbedding, rope_parameters
 from surge.model.models.llama import DecoderAttention, LlamaForCausalLM
 
@@ -64,7 +64,7 @@ class ParallelDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = LayerNorm(hidden, eps)
+        self.input_layernorm = LayerNorm(hidden, eps, bias=False)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
@@ -83,7 +83,7 @@ class CohereForCausalLM(LlamaForCausalLM):
         hidden, eps = self.tc.hidden_size, cfg_get(self.tc, "layer_norm_eps", 1e-5)
         self.layers = nn.ModuleList(ParallelDecoderLayer(hidden, eps, layer.self_attn, layer.mlp)
                                     for layer in self.layers)
-        self.norm = LayerNorm(hidden, eps)
+        self.norm = LayerNorm(hidden, eps, bias=False)
         self.logit_scale = float(cfg_get(self.tc, "logit_scale", 1.0))
 
     def make_rotary(self, layer_type: str) -> RotaryEmbedding:

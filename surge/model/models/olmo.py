@@ -13,7 +13,7 @@ from torch import nn
 from surge.attention.backend import AttentionMetadata, Prologue
 from surge.distributed.parallel_state import get_tp_group
 from surge.model.arch import cfg_get
-from surge.model.layers.layernorm import LayerNorm
+from surge.model.layers.norm import LayerNorm
 from surge.model.layers.norm import RMSNorm
 from surge.model.layers.rotary import RotaryEmbedding
 from surge.model.models.llama import DecoderAttention, LlamaForCausalLM
@@ -107,9 +107,9 @@ class OlmoForCausalLM(LlamaForCausalLM):
         super().__init__(config, quant_config)
         hidden = self.tc.hidden_size
         for layer in self.layers:  # parameter-free LayerNorms where Llama has RMSNorms
-            layer.input_layernorm = LayerNorm(hidden, OLMO_LAYER_NORM_EPS, weight=False)
-            layer.post_attention_layernorm = LayerNorm(hidden, OLMO_LAYER_NORM_EPS, weight=False)
-        self.norm = LayerNorm(hidden, OLMO_LAYER_NORM_EPS, weight=False)
+            layer.input_layernorm = LayerNorm(hidden, OLMO_LAYER_NORM_EPS, affine=False)
+            layer.post_attention_layernorm = LayerNorm(hidden, OLMO_LAYER_NORM_EPS, affine=False)
+        self.norm = LayerNorm(hidden, OLMO_LAYER_NORM_EPS, affine=False)
 
     def make_attention(self, layer_index, sliding_window, rotary) -> nn.Module:
         tc = self.tc
