@@ -47,6 +47,16 @@ def _onednn_max_cpu_isa() -> str | None:
     return os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or None
 
 
+def _moe_routing_simulation() -> str | None:
+    """SURGE_MOE_ROUTING_SIMULATION: for benchmarks of random-weight MoE models only. "uniform_random" routes each
+    token to k experts drawn uniformly (equal weights) instead of the router's choice, as vLLM's
+    VLLM_MOE_ROUTING_SIMULATION_STRATEGY does, so both engines read the same share of expert weights. Default: off."""
+    value = os.environ.get("SURGE_MOE_ROUTING_SIMULATION") or None
+    if value not in (None, "uniform_random"):
+        raise ValueError(f"SURGE_MOE_ROUTING_SIMULATION={value!r} is not supported; supported: uniform_random")
+    return value
+
+
 def _triton_key_cache() -> bool:
     """SURGE_TRITON_KEY_CACHE: reuse Triton's own version key (a hash of its compiler and its ~100 MB library,
     which every process otherwise recomputes before its first kernel: ~0.4 s of start-up) while those files keep
@@ -59,6 +69,7 @@ _GETTERS = {
     "SURGE_CACHE_DIR": _cache_dir,
     "ONEDNN_MAX_CPU_ISA": _onednn_max_cpu_isa,
     "SURGE_CPU_PACKED_WEIGHTS": _cpu_packed_weights,
+    "SURGE_MOE_ROUTING_SIMULATION": _moe_routing_simulation,
     "SURGE_LOG_LEVEL": _log_level,
     "SURGE_RANK_TIMEOUT": _rank_timeout,
     "SURGE_TRITON_KEY_CACHE": _triton_key_cache,

@@ -82,3 +82,15 @@ def test_parallel_config_checks_the_experts(tmp_path):
         check(six, ParallelConfig(tensor_parallel_size=4))
     with pytest.raises(ValueError, match="enable_expert_parallel"):
         ParallelConfig(enable_expert_parallel="yes")
+
+
+def test_uniform_random_routing_spreads_tokens_over_distinct_experts():
+    from surge.model.layers.moe import uniform_random_routing
+
+    torch.manual_seed(0)
+    weights, ids = uniform_random_routing(torch.zeros(4096, 16), 4, torch.float32)
+    assert ids.shape == (4096, 4) and weights.shape == (4096, 4)
+    assert all(len(set(row)) == 4 for row in ids.tolist())  # k distinct experts per token
+    torch.testing.assert_close(weights, torch.full((4096, 4), 0.25))
+    counts = torch.bincount(ids.flatten(), minlength=16).float()
+    assert counts.min() > 0.9 * counts.mean()  # every expert reached about equally

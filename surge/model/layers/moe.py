@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from surge import envs
 from surge.distributed.parallel_state import get_ep_group, get_tp_group
 from surge.kernels.reference import EXPERT_ACTIVATIONS
 from surge.kernels.reference import fused_moe as fused_moe_reference
@@ -176,6 +177,18 @@ class FusedMoE(nn.Module):
                                    self.local_expert_ids(topk_ids), **options)
 
 
+def uniform_random_routing(router_logits: torch.Tensor, top_k: int,
+                           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Benchmarks only (SURGE_MOE_ROUTING_SIMULATION=uniform_random): k distinct experts per token drawn uniformly,
+    equal weights. Random-weight models route every greedy sequence alike; this spreads a batch over the experts as
+    real traffic does (vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random, for side-by-side runs)."""
+    scores = torch.rand(router_logits.shape, device=router_logits.device)
+    ids = scores.topk(top_k, dim=-1).indices
+    if router_logits.is_cuda:
+        ids = ids.to(torch.int32)  # as the router kernel gives them
+    return torch.full(ids.shape, 1.0 / top_k, dtype=dtype, device=ids.device), ids
+
+
 class SparseMoeBlock(nn.Module):
     """The feed-forward block of a mixture-of-experts layer: route each token to its top-k experts, combine their
     outputs weighted by the router, sum over the ranks."""
@@ -191,8 +204,13 @@ class SparseMoeBlock(nn.Module):
         # The router, replicated: every rank routes every token alike.
         self.gate = Linear(hidden, num_experts, bias=router_bias)
         self.experts = FusedMoE(num_experts, hidden, intermediate, **expert_options)
+        self.routing_simulation = envs.SURGE_MOE_ROUTING_SIMULATION
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(F.linear(x, self.gate.weight, self.gate.bias), self.top_k, self.norm_topk_prob,
-                                      x.dtype, softmax_after_topk=self.softmax_after_topk)
+        logits = F.linear(x, self.gate.weight, self.gate.bias)
+        if self.routing_simulation == "uniform_random":
+            weights, ids = uniform_random_routing(logits, self.top_k, x.dtype)
+        else:
+            weights, ids = select_experts(logits, self.top_k, self.norm_topk_prob, x.dtype,
+                                          softmax_after_topk=self.softmax_after_topk)
         return get_tp_group().all_reduce(self.experts(x, weights, ids))
