@@ -28,7 +28,7 @@ def record_logits(llm: LLM) -> list[tuple[str, int, torch.Tensor]]:
     def wrapped_logits(hidden):
         logits = compute_logits(hidden)
         if pending and logits.shape[0] == len(pending):
-            records.extend((rid, pos, row.clone()) for (rid, pos), row in zip(pending, logits))
+            records.extend((rid, pos, row.float().cpu()) for (rid, pos), row in zip(pending, logits))
             pending.clear()
         return logits
 
