@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PreTrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+import types
 
 from surge.attention.backend import Prologue
 
@@ -39,8 +38,16 @@ def _default_init(config, device=None, seq_len=None, layer_type=None) -> tuple[t
     return inv_freq.to(device), 1.0
 
 
+def _init_functions() -> dict:
+    """transformers' rope init functions, imported only for a rope type other than default: the engine core process
+    of a default-rope model never imports transformers (~1.2 s of start-up)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS
+
+
 def supported_rope_types() -> tuple[str, ...]:
-    return ("default", *ROPE_INIT_FUNCTIONS)
+    return ("default", *_init_functions())
 
 
 def rope_parameters(tc, layer_type: str | None = None) -> dict:
@@ -59,7 +66,7 @@ def rope_parameters(tc, layer_type: str | None = None) -> dict:
     return params
 
 
-def _rope_config(head_dim: int, params: dict) -> PreTrainedConfig:
+def _rope_config(head_dim: int, params: dict):
     """The config the init functions read: these rope parameters (one layer type's, so no layer_type is passed),
     the head size and the model's max_position_embeddings where known."""
     rope = dict(params)
@@ -67,7 +74,11 @@ def _rope_config(head_dim: int, params: dict) -> PreTrainedConfig:
     max_position_embeddings = rope.pop("max_position_embeddings", None)
     # Attributes set after construction: the constructor validates the rope parameters (warnings, and a KeyError
     # listing missing ones); the init function, run next, names what it lacks itself.
-    config = PreTrainedConfig()
+    if rope["rope_type"] == "default":  # read by _default_init only
+        config = types.SimpleNamespace()
+    else:
+        from transformers import PreTrainedConfig
+        config = PreTrainedConfig()
     config.rope_parameters, config.head_dim = rope, head_dim
     config.hidden_size, config.num_attention_heads = head_dim, 1  # read (head_dim first) by some init functions
     if max_position_embeddings is not None:
@@ -75,10 +86,10 @@ def _rope_config(head_dim: int, params: dict) -> PreTrainedConfig:
     return config
 
 
-def _init(config: PreTrainedConfig, seq_len=None) -> tuple[torch.Tensor, float]:
+def _init(config, seq_len=None) -> tuple[torch.Tensor, float]:
     """inv_freq [rotary_dim // 2] (or [N, rotary_dim // 2] for a column of lengths) and the attention factor."""
     rope_type = config.rope_parameters["rope_type"]
-    init = _default_init if rope_type == "default" else ROPE_INIT_FUNCTIONS.get(rope_type)
+    init = _default_init if rope_type == "default" else _init_functions().get(rope_type)
     if init is None:
         raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported; supported: "
                          f"{', '.join(supported_rope_types())}")
@@ -91,7 +102,7 @@ def _init(config: PreTrainedConfig, seq_len=None) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(attention_factor)
 
 
-def _per_position(config: PreTrainedConfig, inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
+def _per_position(config, inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
     """inv_freq per position [max_position, rotary_dim // 2]: the original frequencies, and for length-dependent
     rope types the scaled ones past the threshold (see the module docstring)."""
     params = config.rope_parameters
