@@ -42,7 +42,8 @@ def _check(name, records, prompts, outs, hf, vocab):
         ref = {rid: hf(torch.tensor([ids])).logits[0] for rid, ids in ids_by_rid.items()}
     assert {rid for rid, _, _ in records} == set(ref)
     for rid, pos, row in records:
-        torch.testing.assert_close(row, ref[rid][pos], atol=ATOL, rtol=RTOL, msg=f"{name} request {rid} pos {pos}")
+        torch.testing.assert_close(row, ref[rid][pos], atol=ATOL, rtol=RTOL,
+                                   msg=lambda m, rid=rid, pos=pos: f"{name} request {rid} pos {pos}: {m}")
     for p, o in zip(prompts, outs):  # greedy tokens are the argmax of HF's logits
         assert o.outputs[0].token_ids == ref[o.request_id][len(p) - 1:-1].argmax(-1).tolist(), name
 
