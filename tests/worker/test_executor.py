@@ -68,8 +68,12 @@ for _ in range(1000):
 
 @pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
 def test_stopping_the_driver_stops_every_rank(model_dir, how):
+    # Its own process group, as a terminal would make, with Ctrl-C at its default as a shell leaves it: an ignored
+    # SIGINT is inherited, and Python installs no KeyboardInterrupt handler over it (an earlier test of the suite may
+    # leave the pytest process ignoring SIGINT, as the engine core process does; the driver then never stopped).
     driver = subprocess.Popen([sys.executable, "-c", _DRIVER, str(model_dir)], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)  # its own process group, as a terminal would make
+                              start_new_session=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         worker_pids = [int(p) for p in driver.stdout.readline().split()]
         assert len(worker_pids) == 2, "the driver did not start its ranks"
