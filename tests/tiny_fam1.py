@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from transformers import (AutoModelForCausalLM, Exaone4Config, GraniteConfig, LlamaConfig, MistralConfig,
+from transformers import (Exaone4Config, GraniteConfig, LlamaConfig, MistralConfig,
                           MixtralConfig, Qwen2MoeConfig, SmolLM3Config)
 
-from tiny_models import VOCAB, byte_tokenizer
+from tiny_models import VOCAB, save_tiny
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
@@ -44,20 +43,7 @@ def tiny_config(kind: str):
 
 
 def make_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
-    # HF initializes norms to 1 and biases to 0; randomize both so a misplaced norm or a dropped bias shows.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif name.endswith("mlp.gate.weight"):  # a decisive router: routing errors and renormalization show
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
+    return save_tiny(tiny_config(kind), path, seed)
 
 
 def edit_config(path: Path, **fields) -> None:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig
+from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig
 
-from tiny_models import VOCAB, byte_tokenizer
+from tiny_models import VOCAB, save_tiny
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
@@ -38,14 +37,6 @@ def tiny_config(kind: str):
 
 
 def make_tiny_model(kind: str, path: Path, seed: int = 0, config=None) -> Path:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config or tiny_config(kind), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # HF initializes (1 + w) norms to zero: randomize so a wrong placement shows
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):  # attention scores of a few units: soft-caps bite
-                p.normal_(0.0, 0.25)
-    model.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
+    # q/k scaled up: attention scores of a few units, so the soft-caps bite
+    return save_tiny(config or tiny_config(kind), path, seed, extra=(("q_proj.weight", 0.25), ("k_proj.weight", 0.25)))
+

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from transformers import (AutoModelForCausalLM, GPTNeoXConfig, Phi3Config, PhiConfig, StableLmConfig,
+from transformers import (GPTNeoXConfig, Phi3Config, PhiConfig, StableLmConfig,
                           Starcoder2Config)
 
-from tiny_models import VOCAB, byte_tokenizer
+from tiny_models import VOCAB, save_tiny
 
 _SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -49,17 +48,8 @@ KINDS = ["phi3", "phi2", "phi2-qk-layernorm", "stablelm", "stablelm-parallel", "
 
 def make_fam3_model(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
     """overrides: config fields set after the kind's (a value Surge should refuse, say)."""
-    torch.manual_seed(seed)
     config = tiny_config(kind)
     for name, value in overrides.items():
         setattr(config, name, value)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
+    return save_tiny(config, path, seed)
+

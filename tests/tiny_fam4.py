@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import transformers
-from transformers import AutoModelForCausalLM
 
-from tiny_models import VOCAB, byte_tokenizer
+
+from tiny_models import VOCAB, save_tiny
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
@@ -44,19 +43,8 @@ def tiny_config(kind: str):
 
 
 def make_tiny_model(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
-    torch.manual_seed(seed)
     config = tiny_config(kind)
     for name, value in overrides.items():
         setattr(config, name, value)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # HF initializes norms to 1: a wrong norm placement could hide
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):  # and biases to 0
-                p.normal_(0.0, 0.1)
-            elif name.endswith("mlp.gate.weight"):  # a decisive router: routing errors and renormalization show
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
+    return save_tiny(config, path, seed)
+

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, GptOssConfig
+from transformers import GptOssConfig
 
-from tiny_models import VOCAB, byte_tokenizer
+from tiny_models import VOCAB, save_tiny
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
@@ -28,20 +27,6 @@ def tiny_config(kind: str) -> GptOssConfig:
 
 
 def make_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
-    # HF initializes norms to 1 and biases to 0 (sinks and the router's bias small): randomize them so a wrong
-    # placement cannot hide; a decisive router, so routing errors show.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("self_attn.sinks"):
-                p.normal_(0.0, 1.0)
-            elif ".mlp.router." in name:
-                p.normal_(0.0, 0.3)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
+    # sinks of a few units, and a decisive router (gpt-oss names it mlp.router)
+    return save_tiny(tiny_config(kind), path, seed, extra=(("self_attn.sinks", 1.0), (".mlp.router.", 0.3)))
+

@@ -49,14 +49,26 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
+    return save_tiny(tiny_config(kind), path, seed)
+
+
+def save_tiny(config, path: Path, seed: int = 0, extra: tuple[tuple[str, float], ...] = ()) -> Path:
+    """An HF model of `config`, randomized where HF's init would hide a mistake, saved with the byte tokenizer.
+    HF initializes norms to 1 (or 0 for (1 + w) norms) and biases to 0: norms uniform in [0.5, 1.5], biases
+    normal(0, 0.1); a decisive MoE router (mlp.gate.weight, normal(0, 0.3)). `extra`: (name fragment, std) rules
+    tried first (a family's sinks, a larger router or q/k scale)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
-    # HF initializes norms to 1; randomize them so a wrong norm placement cannot hide.
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            rule = next((std for fragment, std in extra if fragment in name), None)
+            if rule is not None:
+                p.normal_(0.0, rule)
+            elif "norm" in name:
                 p.uniform_(0.5, 1.5)
-            elif name.endswith("mlp.gate.weight"):  # a decisive router: routing errors and renormalization show
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.3)
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)

@@ -35,15 +35,8 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
-class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: x / rms(x) * (1 + weight), the whole product in float32 and only then cast to x's dtype
-    (HF's GemmaRMSNorm; checkpoints hold the offset-free weight, zeros being the identity). Torch on every device:
-    the Triton kernel rounds the normalised value to x's dtype before the weight product and has no offset."""
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+class TorchNorm(nn.Module):
+    """A norm computed by its `_norm` in torch on every device, optionally after the residual add before it."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +47,18 @@ class GemmaRMSNorm(RMSNorm):
         return self._norm(x), x
 
 
-class LayerNorm(nn.Module):
+class GemmaRMSNorm(TorchNorm, RMSNorm):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), the whole product in float32 and only then cast to x's dtype
+    (HF's GemmaRMSNorm; checkpoints hold the offset-free weight, zeros being the identity). Torch on every device:
+    the Triton kernel rounds the normalised value to x's dtype before the weight product and has no offset."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class LayerNorm(TorchNorm):
     """LayerNorm over the last dimension (GPT-NeoX, Phi-2, StableLM, StarCoder2, OLMo, Cohere): with or without a
     bias, or non-parametric (affine=False), computed in float32 and cast back, as HF's OLMo and Cohere norms are (and
     as torch's own does inside for half precision). Like RMSNorm, optionally fused with the preceding residual add."""
@@ -73,11 +77,3 @@ class LayerNorm(nn.Module):
         weight = None if self.weight is None else self.weight.float()
         bias = None if self.bias is None else self.bias.float()
         return F.layer_norm(x.float(), self.shape, weight, bias, self.eps).to(x.dtype)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
