@@ -50,7 +50,8 @@ def _check(name, records, prompts, outs, hf, vocab):
 
 def check_every_step(name: str, path, hf, budget: int = 4096, vocab: int = 256, max_tokens: int = 24) -> None:
     """Four prompts (3 to 40 tokens) in one batch, prefill in chunks of `budget` tokens."""
-    llm = LLM(path, block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=budget, max_model_len=256)
+    llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=budget,
+              max_model_len=256)
     records = record_logits(llm)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3, 13, 29, 40)]
@@ -66,7 +67,7 @@ def check_prefix_hits_and_preemption(name: str, path, hf, vocab: int = 256, num_
     recomputed. The KV cache starts as NaN, as uninitialized memory may: no step may read a slot no request wrote.
     A model whose every layer slides holds only a window per request: it needs a smaller cache (num_blocks, and
     max_model_len, which the cache must hold) to be preempted."""
-    llm = LLM(path, block_size=4, num_gpu_blocks_override=num_blocks, max_num_batched_tokens=32,
+    llm = LLM(path, dtype="float32", block_size=4, num_gpu_blocks_override=num_blocks, max_num_batched_tokens=32,
               max_model_len=max_model_len)
     for cache in llm.engine.executor.runner.kv_caches:
         cache.fill_(float("nan"))
@@ -82,7 +83,8 @@ def check_prefix_hits_and_preemption(name: str, path, hf, vocab: int = 256, num_
 
 
 def check_prompt_logprobs(name: str, path, hf) -> None:
-    llm = LLM(path, block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=8, max_model_len=256)
+    llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=8,
+              max_model_len=256)
     prompt = list(range(40, 70))
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, logprobs=2),
                        use_tqdm=False)[0]

@@ -204,7 +204,9 @@ def _paged_attention_kernel(
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     for tile in range(tile_lo, tile_hi):
         pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        pos_ok = pos < kv_end  # slots at or past seq_len are never read: they may hold anything
+        # Slots at or past seq_len, or before the window's start (blocks a sliding group freed or never filled on a
+        # prefix hit), are never read: they may hold anything, NaN included, and 0 * NaN would reach the output.
+        pos_ok = (pos < kv_end) & (pos >= kv_begin)
         block_id = tl.load(table_row + pos // CACHE_BLOCK, mask=pos_ok, other=0)
         slot = block_id.to(tl.int64) * stride_cb + (pos % CACHE_BLOCK) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + slot[None, :] + dim[:, None], mask=pos_ok[None, :] & dim_ok[:, None], other=0.0)

@@ -124,6 +124,26 @@ def test_attention_matches_references(requests, block_size, heads, head_dim, win
     torch.testing.assert_close(got.float(), expected.float(), atol=2 * tol, rtol=2 * tol)
 
 
+@pytest.mark.parametrize("num_sms", [1, 64])
+@pytest.mark.parametrize("requests", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_sliding_window_reads_nothing_before_the_window(requests, num_sms, device):
+    """A sliding group frees the blocks that left every window, and a prefix hit maps them to the null block: their
+    slots may hold anything. NaN before the step's first window start (in a tile the window starts inside, and in
+    whole blocks pointing at the null block) must not reach the output (0 * NaN is NaN)."""
+    block_size, window = 4, 9
+    q, k, v, cache, meta, full_k, full_v = _batch(requests, block_size, 8, 2, 32, torch.float32, device, seed=5)
+    flat = cache.view(2, -1, 2, 32)
+    for r, (ctx, _) in enumerate(requests):
+        first = max(0, ctx - window + 1)  # the earliest position any of the request's queries sees
+        for p in range(first):
+            flat[:, int(meta.block_table[r, p // block_size]) * block_size + p % block_size] = float("nan")
+        meta.block_table[r, :first // block_size] = 0
+    got = _run_triton(q, k, v, cache, meta, window, 32 ** -0.5, num_sms=num_sms)
+    assert not got.isnan().any(), "NaN from slots before the window leaked into the output"
+    dense = _dense_reference(q, full_k, full_v, requests, window, 32 ** -0.5)
+    torch.testing.assert_close(got.double().cpu(), dense, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
 @pytest.mark.parametrize("num_sms", [1, 8, 64])  # 1 split, a few, the maximum
 def test_split_kv_decode_matches_reference(num_sms, device):
     requests = [(0, 1), (150, 1), (37, 1)]

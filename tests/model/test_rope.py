@@ -161,7 +161,8 @@ def check_against_hf_generate(name: str, path, hf, budget: int, max_tokens: int 
     threshold, and Surge follows generate (see surge/model/layers/rotary.py). So the reference is HF's generate, one
     prompt at a time, without padding. Prompts stay below the threshold (32): HF runs a prompt in one forward, with
     the frequencies of its whole length, and resets dynamic's frequencies only for a shorter sequence."""
-    llm = LLM(path, block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=budget, max_model_len=256)
+    llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=budget,
+              max_model_len=256)
     records = record_logits(llm)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 13, 29, 31)]
