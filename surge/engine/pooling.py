@@ -25,6 +25,9 @@ def check_pooling_task(model_config: ModelConfig, task: str, what: str) -> None:
         kind = "a classifier (cross-encoder)" if model_config.is_cross_encoder else "an embedding model"
         raise WrongRunnerError(f"{what} ({task}) is not supported by model {model_config.model!r}, {kind}; it "
                                f"serves {', '.join(model_config.pooling_tasks)}")
+    if task == "score" and model_config.is_cross_encoder and model_config.num_labels != 1:
+        raise WrongRunnerError(f"{what}: a score is one value, but model {model_config.model!r} classifies into "
+                               f"{model_config.num_labels} labels; use classify")
 
 
 def check_generation(model_config: ModelConfig, what: str) -> None:
