@@ -51,10 +51,52 @@ class ModelConfig:
     # The language model's config normalized by transformers (AutoConfig: derived layer_types, standard
     # rope_parameters, defaults filled in; a VLM's text_config): what models read. Built from hf_config when omitted.
     text_config: Any = field(default=None, repr=False, hash=False, compare=False)
+    # "generate" (sampling) or "pooling" (prefill only: embeddings, classification, scores); see RUNNERS.
+    runner: str = "generate"
+    pooler_config: PoolerConfig | None = None  # the pooling runner's: the checkpoint's, overridden by the user's
+    # A classifier read off the LM head (a decoder reranker): the token ids of classifier_from_token, resolved by
+    # the tokenizer (Qwen3-Reranker: [no, yes], scored as the yes logit minus the no logit).
+    classifier_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.text_config is None:
             object.__setattr__(self, "text_config", normalize_hf_config(self.model, self.hf_config))
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner={self.runner!r} is not supported; choose one of {', '.join(RUNNERS)}")
+        if (self.runner == "pooling") != (self.pooler_config is not None):
+            raise ValueError(f"runner={self.runner!r}: a pooler_config goes with the pooling runner, and only there")
+        if self.runner == "generate" and not self.architecture.endswith("ForCausalLM"):
+            raise ValueError(f"model={self.model!r}: {self.architecture} has no LM head to generate with; serve it "
+                             "with runner='pooling' (--runner pooling)")
+
+    # ---- pooling ----
+    @property
+    def is_cross_encoder(self) -> bool:
+        """A sequence-classification head: classify and score (query and document together), never embed."""
+        return self.architecture.endswith("ForSequenceClassification")
+
+    @property
+    def num_labels(self) -> int:
+        if self.classifier_token_ids:
+            two_way = (self.hf_config.get("is_original_qwen3_reranker")
+                       or self.hf_config.get("method") == "from_2_way_softmax")
+            return 1 if two_way and len(self.classifier_token_ids) == 2 else len(self.classifier_token_ids)
+        return int(getattr(self.text_config, "num_labels", 1))
+
+    @property
+    def pooling_tasks(self) -> tuple[str, ...]:
+        if self.runner != "pooling":
+            return ()
+        return ("classify", "score", "encode") if self.is_cross_encoder else ("embed", "score", "encode")
+
+    @property
+    def matryoshka_dimensions(self) -> list[int] | None:
+        return self.hf_config.get("matryoshka_dimensions") or None
+
+    @property
+    def is_matryoshka(self) -> bool:
+        """The model declares that a prefix of its embedding is an embedding too (Matryoshka training)."""
+        return bool(self.matryoshka_dimensions) or bool(self.hf_config.get("is_matryoshka"))
 
     @property
     def num_layers(self) -> int:
@@ -91,9 +133,12 @@ class ModelConfig:
     @staticmethod
     def from_hf_config(model: str, cfg: dict, gen_cfg: dict, dtype: str | torch.dtype, device: torch.device,
                        max_model_len: int | None = None, load_format: str = "safetensors", *,
-                       supported_architectures: Collection[str]) -> ModelConfig:
+                       supported_architectures: Collection[str], runner: str = "auto",
+                       pooler_config: PoolerConfig | None = None,
+                       classifier_token_ids: tuple[int, ...] = ()) -> ModelConfig:
         """From config.json and generation_config.json as dicts; supported_architectures: the model registry's
-        names (surge/model/models/registry.py), passed in because configs sit below the models."""
+        names (surge/model/models/registry.py), passed in because configs sit below the models. runner "auto":
+        pooling for an architecture without an LM head (an encoder, a classifier), else generate."""
         archs = cfg.get("architectures") or []
         supported = [a for a in archs if a in supported_architectures]
         if not supported:
@@ -112,10 +157,16 @@ class ModelConfig:
             max_model_len = model_max
         elif not (isinstance(max_model_len, int) and 1 <= max_model_len):
             raise ValueError(f"max_model_len={max_model_len!r} must be a positive integer")
+        if runner == "auto":
+            runner = "generate" if supported[0].endswith("ForCausalLM") else "pooling"
+        if runner == "pooling":
+            pooler_config = pooler_config or PoolerConfig()
         return ModelConfig(model=model, hf_config=cfg, dtype=resolve_dtype(dtype, device),
                            architecture=supported[0], max_model_len=max_model_len,
                            layer_types=layer_types, sliding_window=sliding_window,
-                           eos_token_ids=_eos_token_ids(gen_cfg, cfg), load_format=load_format, text_config=tc)
+                           eos_token_ids=_eos_token_ids(gen_cfg, cfg), load_format=load_format, text_config=tc,
+                           runner=runner, pooler_config=pooler_config if runner == "pooling" else None,
+                           classifier_token_ids=classifier_token_ids)
 
 
 def normalize_hf_config(model: str, cfg: dict) -> TextConfig:
@@ -466,6 +517,47 @@ def _parse_json_config(cls: type, name: str, value, required: tuple[str, ...], e
     if missing:
         raise ValueError(f"{name} needs {missing} (e.g. {example})")
     return cls(**value)
+
+
+RUNNERS = ("generate", "pooling")  # EngineArgs also takes "auto": pooling for architectures without an LM head
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How the pooling runner turns a prompt's hidden states into one vector (vLLM's names; `--pooler-config`)."""
+    pooling_type: str | None = None  # LAST, MEAN or CLS; None: LAST (decoder models)
+    normalize: bool | None = None  # embeddings L2-normalized; None: yes
+    dimensions: int | None = None  # a Matryoshka model's default output dimensions; None: all
+    use_activation: bool | None = None  # classification: sigmoid (one label) or softmax; None: yes
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            object.__setattr__(self, "pooling_type", str(self.pooling_type).upper())
+            if self.pooling_type not in POOLING_TYPES:
+                raise ValueError(f"pooler_config.pooling_type={self.pooling_type!r} is not supported; choose one of "
+                                 f"{', '.join(POOLING_TYPES)}")
+        for name in ("normalize", "use_activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"pooler_config.{name}={value!r} must be true or false")
+        if self.dimensions is not None and not (isinstance(self.dimensions, int) and self.dimensions >= 1):
+            raise ValueError(f"pooler_config.dimensions={self.dimensions!r} must be a positive integer")
+
+    @property
+    def type(self) -> str:
+        return self.pooling_type or "LAST"
+
+    @staticmethod
+    def parse(value: str | dict | PoolerConfig) -> PoolerConfig:
+        return _parse_json_config(PoolerConfig, "pooler_config", value, (), '{"pooling_type": "MEAN"}')
+
+    def merged(self, override: PoolerConfig | None) -> PoolerConfig:
+        """This config with the override's fields that are set."""
+        if override is None:
+            return self
+        return dataclasses.replace(self, **{f.name: getattr(override, f.name) for f in dataclasses.fields(self)
+                                            if getattr(override, f.name) is not None})
 
 
 @dataclass(frozen=True)

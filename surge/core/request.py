@@ -8,6 +8,7 @@ import enum
 import time
 
 from surge.core.kv_cache.hashing import hash_block_tokens
+from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams
 
 
@@ -45,11 +46,13 @@ class TokenSequence:
 
 class Request(TokenSequence):
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, pooling_params: PoolingParams | None = None) -> None:
+        """pooling_params: a pooling request (its params have max_tokens=0: the prompt only)."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.params = params
+        self.pooling_params = pooling_params
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV a launched step computes (advanced when it is scheduled)

@@ -214,7 +214,7 @@ class Scheduler:
         rid = req.request_id
         known = self._runner_tokens.get(rid)
         if known is None:
-            out.new_requests.append(NewRequest(rid, req.prompt_token_ids, req.params))
+            out.new_requests.append(NewRequest(rid, req.prompt_token_ids, req.params, req.pooling_params))
             known = req.num_prompt_tokens
         self._runner_tokens[rid] = req.num_tokens
         starts, block_ids = self.kv.take_block_changes(rid)
@@ -262,7 +262,9 @@ class Scheduler:
             tokens = sampled.get(s.request_id)
             if not tokens:
                 if req.params.max_tokens == 0 and s.num_computed_tokens + s.num_new_tokens >= req.num_tokens:
-                    self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)  # the prompt only: done
+                    # The prompt only: done (a pooling request's pooled output came with this step).
+                    self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH if req.pooling_params is None
+                                        else RequestStatus.FINISHED_STOPPED)
                     progressed.append((req, []))
                 continue  # a prefill chunk that did not reach the end yet
             num_rejected = num_drafts - (len(tokens) - 1)

@@ -10,6 +10,7 @@ import msgspec
 # gc=False: a step creates one struct per scheduled request and none can take part in a reference cycle, so the
 # garbage collector need not track them (fewer collections on the hot path).
 
+from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams
 
 
@@ -18,6 +19,7 @@ class NewRequest(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    pooling_params: PoolingParams | None = None  # a pooling request: the runner pools its prompt's hidden states
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

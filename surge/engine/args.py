@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 
 import surge.weight_cache.ipc_loader  # noqa: F401 (registers the weight_cache load format)
-from surge.config import (CUDA_GRAPH_CAPTURE_MODES, WEIGHT_CACHE_MODES, CacheConfig, EngineConfig, KVTransferConfig,
-                          ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
-                          WeightCacheConfig)
+from surge.config import (CUDA_GRAPH_CAPTURE_MODES, RUNNERS, WEIGHT_CACHE_MODES, CacheConfig, EngineConfig,
+                          KVTransferConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
+                          SpeculativeConfig, StructuredOutputsConfig, WeightCacheConfig)
+from surge.engine.sentence_transformers_config import read_pooler_config
 from surge.model.loader.base import load_formats
-from surge.model.models.registry import MODEL_REGISTRY, get_model_class
+from surge.model.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
 from surge.model.presets import PRESETS, preset_model_config
 from surge.structured_output.reasoning import REASONING_MARKERS
 
@@ -72,6 +73,15 @@ class EngineArgs:
     # Reasoning models: the name of the markers around the reasoning text (surge/structured_output/reasoning.py); a
     # request's grammar starts after the closing marker, and the server returns the reasoning apart.
     reasoning_parser: str | None = None
+    # "generate", "pooling" (embeddings, classification, scores: prefill only), or "auto": pooling for an
+    # architecture without an LM head.
+    runner: str = "auto"
+    # The pooling runner's pooler, as JSON text or a dict ({"pooling_type": "MEAN", "normalize": false}), over the
+    # checkpoint's sentence-transformers files.
+    pooler_config: str | dict | None = None
+    # Keys merged over config.json, as JSON text or a dict (e.g. a decoder reranker's
+    # {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], ...}).
+    hf_overrides: str | dict | None = None
 
     # ---- command line ----
     @staticmethod
@@ -118,6 +128,14 @@ class EngineArgs:
         g.add_argument("--speculative-config", default=d.speculative_config, help="speculative decoding as JSON, "
                        "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' "
                        "(greedy requests are verified exactly; others decode as without it)")
+        g.add_argument("--runner", default=d.runner, choices=("auto", *RUNNERS),
+                       help="pooling: embeddings, classification and scores (prefill only); auto: pooling for "
+                       "architectures without an LM head")
+        g.add_argument("--pooler-config", default=d.pooler_config, help="the pooling runner's pooler as JSON, e.g. "
+                       "'{\"pooling_type\": \"MEAN\", \"normalize\": false}' (over the checkpoint's "
+                       "sentence-transformers files)")
+        g.add_argument("--hf-overrides", "--hf_overrides", default=d.hf_overrides,
+                       help="JSON merged over config.json, e.g. '{\"is_matryoshka\": true}'")
         g.add_argument("--reasoning-parser", default=d.reasoning_parser, choices=sorted(REASONING_MARKERS),
                        help="the model writes reasoning between these markers: the server returns it as "
                        "reasoning_content, and structured output constrains only the text after it")
@@ -173,13 +191,15 @@ class EngineArgs:
                                          node_rank=self.node_rank, master_addr=self.master_addr,
                                          master_port=self.master_port,
                                          enable_expert_parallel=self.enable_expert_parallel)
-        get_model_class(model_config.architecture).check_parallel(model_config, parallel_config)
+        get_model_class(model_config.architecture, model_config.runner).check_parallel(model_config, parallel_config)
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)
         return EngineConfig(
             model_config=model_config,
-            cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+            # Mean and first-token pooling read every prompt position: a prefix-cache hit would skip some.
+            cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching
+                                     and (model_config.runner != "pooling" or model_config.pooler_config.type == "LAST"),
                                      kv_cache_memory=self.kv_cache_memory, memory_fraction=self.memory_fraction,
                                      num_gpu_blocks_override=self.num_gpu_blocks_override),
             scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
@@ -251,20 +271,47 @@ class EngineArgs:
                 raise ValueError(f"preset={self.preset!r} has no checkpoint for load_format={self.load_format!r}: "
                                  "use load_format='dummy' (random weights), or write one with `surge bench startup "
                                  "--preset NAME --checkpoint-dir DIR`")
-            return preset_model_config(self.preset, self.dtype, device, self.max_model_len)
+            model_config = preset_model_config(self.preset, self.dtype, device, self.max_model_len)
+            if self.runner == "pooling":  # a preset's random weights, pooled
+                model_config = dataclasses.replace(model_config, runner="pooling",
+                                                   pooler_config=PoolerConfig().merged(self._user_pooler_config()))
+            return model_config
         model = self.model
         if model is None:
             from surge.model.loader.default_model import default_model_path  # converts the GGUF on first use
             model = default_model_path()
-        model_config = read_model_config(model, self.dtype, device, self.max_model_len)
+        model_config = read_model_config(model, self.dtype, device, self.max_model_len, self.runner,
+                                         self._user_pooler_config(), _json_object(self.hf_overrides, "hf_overrides"))
+        if self.pooler_config is not None and model_config.runner != "pooling":
+            raise ValueError(f"pooler_config={self.pooler_config!r} is for the pooling runner; this model runs with "
+                             f"runner={model_config.runner!r} (pass runner='pooling', --runner pooling)")
         if self.load_format != AUTO_LOAD_FORMAT:
             model_config = dataclasses.replace(model_config, load_format=self.load_format)
         return model_config
 
+    def _user_pooler_config(self) -> PoolerConfig | None:
+        if self.runner not in ("auto", *RUNNERS):
+            raise ValueError(f"runner={self.runner!r} is not supported; choose one of auto, {', '.join(RUNNERS)}")
+        return None if self.pooler_config is None else PoolerConfig.parse(self.pooler_config)
+
+
+def _json_object(value: str | dict | None, name: str) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON ({e})") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value or {}
+
 
 def read_model_config(model: str | Path, dtype: str | torch.dtype, device: torch.device,
-                      max_model_len: int | None = None) -> ModelConfig:
-    """The ModelConfig of an HF-format directory: config.json, generation_config.json, and *.safetensors present."""
+                      max_model_len: int | None = None, runner: str = "auto",
+                      pooler_config: PoolerConfig | None = None, hf_overrides: dict | None = None) -> ModelConfig:
+    """The ModelConfig of an HF-format directory: config.json (hf_overrides merged over it), generation_config.json,
+    and *.safetensors present. The pooling runner's pooler: the sentence-transformers files', then pooler_config's
+    fields over it."""
     path = Path(model)
     if not path.is_dir():
         raise ValueError(f"model={str(model)!r}: not a directory; expected an HF-format model directory "
@@ -280,8 +327,29 @@ def read_model_config(model: str | Path, dtype: str | torch.dtype, device: torch
         raise ValueError(f"model={str(model)!r}: no *.safetensors weight files found")
     gen = path / "generation_config.json"
     gen_cfg = json.loads(gen.read_text()) if gen.is_file() else {}
+    cfg = {**cfg, **(hf_overrides or {})}
+    pooler = (read_pooler_config(path) or PoolerConfig()).merged(pooler_config) if runner != "generate" else None
+    tokens = cfg.get("classifier_from_token")
     return ModelConfig.from_hf_config(str(path), cfg, gen_cfg, dtype, device, max_model_len,
-                                      supported_architectures=tuple(MODEL_REGISTRY))
+                                      supported_architectures=SUPPORTED_ARCHITECTURES, runner=runner,
+                                      pooler_config=pooler,
+                                      classifier_token_ids=_token_ids(path, tokens) if tokens else ())
+
+
+def _token_ids(model_dir: Path, tokens) -> tuple[int, ...]:
+    """classifier_from_token's tokens as the model's tokenizer numbers them; each must be one token."""
+    if not (isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens)):
+        raise ValueError(f"classifier_from_token={tokens!r} must be a non-empty list of token strings")
+    from surge.engine.input_processor import load_tokenizer
+    tokenizer = load_tokenizer(model_dir)
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ValueError(f"classifier_from_token: {token!r} is not one token of model={str(model_dir)!r}'s "
+                             "vocabulary")
+        ids.append(token_id)
+    return tuple(ids)
 
 
 def _load_format_choices() -> tuple[str, ...]:

@@ -20,7 +20,9 @@ from surge.engine.input_processor import InputProcessor, Prompt, load_tokenizer
 from surge.engine.messages import AbortRequests, AddRequest, EngineCoreOutputs, StopRequests, UtilityCall
 from surge.engine.output_processor import IterationStats, OutputKind, OutputProcessor
 from surge.logger import init_logger
-from surge.outputs import RequestOutput
+from surge.engine.pooling import PROMPT_ONLY
+from surge.outputs import PoolingRequestOutput, RequestOutput
+from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -70,11 +72,13 @@ class AsyncLLM:
 
     # ---- requests ----
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                       output_kind: OutputKind = OutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+                       output_kind: OutputKind = OutputKind.DELTA, pooling_params: PoolingParams | None = None
+                       ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Stream a request's outputs until it finishes. Closing or cancelling the iterator aborts the request
-        (its KV blocks are freed). Raises RequestFailedError or EngineDeadError when the engine cannot finish it."""
+        (its KV blocks are freed). Raises RequestFailedError or EngineDeadError when the engine cannot finish it.
+        With pooling_params (a pooling model; params are then ignored): one PoolingRequestOutput."""
         request_id = request_id or f"req-{next(self._request_ids)}"
-        queue = await self.add_request(request_id, prompt, params, output_kind)
+        queue = await self.add_request(request_id, prompt, params, output_kind, pooling_params)
         finished = False
         try:
             while True:
@@ -92,7 +96,8 @@ class AsyncLLM:
                 await self.abort(request_id)
 
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                          output_kind: OutputKind = OutputKind.DELTA) -> asyncio.Queue:
+                          output_kind: OutputKind = OutputKind.DELTA,
+                          pooling_params: PoolingParams | None = None) -> asyncio.Queue:
         if self.core.dead_error is not None:
             raise self.core.dead_error
         if request_id in self._queues:
@@ -100,13 +105,14 @@ class AsyncLLM:
         self._start_output_handler()
         arrival = time.monotonic()
         text, token_ids = self.input_processor.tokenize(prompt)
-        children = self.input_processor.fan_out(request_id, params)
+        pooling = pooling_params is not None
+        children = [(request_id, PROMPT_ONLY)] if pooling else self.input_processor.fan_out(request_id, params)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self.output_processor.add_request(request_id, text, token_ids, children, output_kind, arrival)
+        self.output_processor.add_request(request_id, text, token_ids, children, output_kind, arrival, pooling)
         try:
             for child_id, child_params in children:
-                await self.core.send(AddRequest(child_id, token_ids, child_params))
+                await self.core.send(AddRequest(child_id, token_ids, child_params, pooling_params))
         except BaseException:
             await self.abort(request_id)
             raise

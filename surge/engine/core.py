@@ -43,6 +43,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # shares; its queue and prefill time metrics start there.
     timestamps: tuple[float, float] | None = None
     kv_transfer_params: dict | None = None  # a finished request's, from the KV connector (prefill -> decode)
+    pooling_output: list[float] | None = None  # a pooling request's embedding or class probabilities, as it ends
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -128,7 +129,9 @@ class EngineCore:
         max_len = self.config.scheduler_config.max_model_len
         if request.num_prompt_tokens == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
-        if request.num_prompt_tokens >= max_len:
+        if request.pooling_params is not None and request.num_prompt_tokens > max_len:
+            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, more than max_model_len={max_len}")
+        if request.pooling_params is None and request.num_prompt_tokens >= max_len:
             raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, which leaves no room to generate "
                              f"within max_model_len={max_len}")
         vocab = self.config.model_config.vocab_size
@@ -297,7 +300,8 @@ class EngineCore:
                 prompt_logprobs=prompt_lp,
                 timestamps=(req.arrival_time, self._first_scheduled.pop(rid)) if rid in self._first_scheduled
                 else None,
-                kv_transfer_params=req.kv_transfer_params if req.is_finished else None))
+                kv_transfer_params=req.kv_transfer_params if req.is_finished else None,
+                pooling_output=result.pooler_output.get(rid)))
         return outputs
 
 

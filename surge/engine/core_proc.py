@@ -96,7 +96,8 @@ class EngineCoreProc:
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
             try:
-                self.engine.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.params, self.block_size))
+                self.engine.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.params, self.block_size,
+                                                pooling_params=msg.pooling_params))
             except ValueError as e:
                 self._failures.append(RequestFailure(msg.request_id, str(e), invalid_request=True))
         elif isinstance(msg, AbortRequests):

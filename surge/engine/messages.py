@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from surge.engine.core import EngineCoreOutput, SchedulerStats
+from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams
 
 
@@ -15,6 +16,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # one sample: n > 1 is fanned out by the front end
+    pooling_params: PoolingParams | None = None  # a pooling request (params: the prompt only)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

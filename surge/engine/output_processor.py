@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 from surge.engine.core import EngineCoreOutput
 from surge.engine.detokenizer import IncrementalDetokenizer, decode_token
-from surge.outputs import CompletionOutput, Logprob, RequestOutput
+import torch
+
+from surge.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
 from surge.sampling_params import SamplingParams
 
 
@@ -78,6 +80,8 @@ class ParentState:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     kv_transfer_params: dict | None = None
+    pooling: bool = False  # a pooling request: one PoolingRequestOutput once finished
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -92,7 +96,7 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     children: list[tuple[str, SamplingParams]], output_kind: OutputKind = OutputKind.CUMULATIVE,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, pooling: bool = False) -> None:
         samples = {}
         for index, (child_id, params) in enumerate(children):
             samples[child_id] = SampleState(index, params,
@@ -104,7 +108,7 @@ class OutputProcessor:
         self.parents[request_id] = ParentState(
             request_id, prompt, list(prompt_token_ids), samples,
             prompt_logprobs=[None] if want_prompt_lp else None, output_kind=output_kind,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time, pooling=pooling)
 
     def process(self, outputs: list[EngineCoreOutput],
                 stats: IterationStats | None = None) -> tuple[list[RequestOutput], list[str]]:
@@ -128,6 +132,8 @@ class OutputProcessor:
             parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
             if o.kv_transfer_params is not None:
                 parent.kv_transfer_params = o.kv_transfer_params
+            if o.pooling_output is not None:
+                parent.pooling_output = o.pooling_output
             if o.prompt_logprobs is not None and parent.prompt_logprobs is not None and sample.index == 0:
                 self._add_prompt_logprobs(parent, o.prompt_logprobs)
             # Several tokens (accepted drafts) go in one at a time: a stop string one of them completes ends the
@@ -210,7 +216,12 @@ class OutputProcessor:
         for row_ids, row_lps, rank in zip(ids, lps, ranks):
             parent.prompt_logprobs.append(self._logprob_dict(row_ids, row_lps, rank))
 
-    def _make_output(self, parent: ParentState) -> RequestOutput | None:
+    def _make_output(self, parent: ParentState) -> RequestOutput | PoolingRequestOutput | None:
+        if parent.pooling:
+            if not parent.finished or parent.pooling_output is None:
+                return None
+            return PoolingRequestOutput(parent.request_id, PoolingOutput(torch.tensor(parent.pooling_output)),
+                                        parent.prompt_token_ids, True, parent.num_cached_tokens)
         kind = parent.output_kind
         if kind == OutputKind.FINAL_ONLY and not parent.finished:
             return None

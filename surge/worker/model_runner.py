@@ -34,6 +34,7 @@ from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from surge.worker.request_state import CachedRequestState, RequestStates
 from surge.worker.draft_model import DraftModel
 from surge.worker.ngram_lookup import DeviceNgram, Verdicts
+from surge.worker.pooling import finish_pooled, gather_pooled
 from surge.worker.spec_verify import VerifiedDrafts, VerifyResult, verify
 from surge.worker.step_inputs import DeviceDrafts, StepInputs
 import surge.attention.torch_backend  # noqa: F401,I001  (registers the backends)
@@ -57,6 +58,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     prompt_logprobs: dict[str, PromptLogprobs] = {}
     kv_connector_output: KVConnectorOutput | None = None  # with a KV connector: loads and saves that finished
     draft_token_ids: dict[str, list[int]] = {}  # a draft model's proposals for each sampling request's next step
+    pooler_output: dict[str, list[float]] = {}  # pooling requests whose prompt the step completed: their output
 
 
 def available_memory(device: torch.device) -> int:
@@ -254,6 +256,8 @@ class ModelRunner:
             batch.grammar_bitmask = out.grammar_bitmask
             batch.grammar_source = self.grammar_bitmask_source and (lambda: self.grammar_bitmask_source(out))
             hidden = self.forward(batch)
+            if self.config.model_config.runner == "pooling":
+                self.pool(batch, hidden, pending)
             self.compute_prompt_logprobs(batch, hidden, pending)
             self.sample(batch, hidden, pending)
             if self.draft is not None:  # its KV for this step's tokens, then k proposals per sampling request
@@ -305,6 +309,16 @@ class ModelRunner:
                 return graphs.replay_mixed(batch.num_tokens, batch.num_reqs)
         n = batch.num_tokens
         return self.model(self.inputs.input_ids[:n], self.inputs.positions[:n], batch.meta)
+
+    def pool(self, batch: StepBatch, hidden: torch.Tensor, pending: PendingOutput) -> None:
+        """Pooling requests: this step's rows into their pooled state; the outputs of those it completes."""
+        mc = self.config.model_config
+        done = gather_pooled(mc.pooler_config.type, batch.scheduled, batch.states, batch.meta[0].query_start_loc,
+                             hidden)
+        if done:
+            out = finish_pooled(self.model, mc, done)
+            if out is not None and self.samples:
+                pending.pooled = [(rid, _to_host(row)) for rid, row in out.items()]
 
     def compute_prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor, pending: PendingOutput) -> None:
         """Logprobs of the prompt tokens this step computes, for requests that ask (each position once)."""
@@ -490,6 +504,7 @@ class PendingOutput:
     verify: VerifiedDrafts | None = None
     drafts: tuple[list[str], torch.Tensor] | None = None  # the proposals for each request's next step: ids, [n, k]
     num_valid_drafts: torch.Tensor | None = None  # [n]: of each row, the leading drafts to use (device n-gram)
+    pooled: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # request id, pooled output
 
     def ready(self) -> bool:
         """True once result() would not wait."""
@@ -513,6 +528,8 @@ class PendingOutput:
             if self.num_valid_drafts is not None:
                 for rid, n in zip(self.drafts[0], self.num_valid_drafts.tolist()):
                     del result.draft_token_ids[rid][n:]
+        if self.pooled:
+            result.pooler_output = {rid: row.tolist() for rid, row in self.pooled}
         for rid, first, ids, lps, ranks in self.prompt_logprobs:
             result.prompt_logprobs[rid] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
         return result

@@ -89,6 +89,12 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_embed(args: argparse.Namespace) -> int:
+    from surge.bench.embed import run_embed
+    run_embed(args)
+    return 0
+
+
 def cmd_bench_parity(args: argparse.Namespace) -> int:
     from surge.bench.parity import run_parity
     return run_parity(args)
@@ -197,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p)
     add_latency_args(p)
     p.set_defaults(func=cmd_bench_latency)
+    from surge.bench.embed import add_embed_args
+    p = bench.add_parser("embed", help="embedding throughput of the pooling runner (texts/s, tok/s, TFLOP/s, MFU) "
+                         "beside sentence-transformers on the same inputs")
+    EngineArgs.add_cli_args(p)
+    add_embed_args(p)
+    # The peer holds a second copy of the weights on the same device: the KV cache leaves room for it.
+    p.set_defaults(func=cmd_bench_embed, runner="pooling", memory_fraction=0.5)
     from surge.bench.parity import add_parity_args
     p = bench.add_parser("parity", help="greedy output against HF transformers on the same weights, with where "
                          "and by how much they part")

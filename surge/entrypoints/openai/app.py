@@ -20,7 +20,11 @@ from surge.entrypoints.openai.chat import ChatHandler
 from surge.entrypoints.openai.completions import CompletionsHandler
 from surge.entrypoints.openai.errors import APIError
 from surge.entrypoints.openai.guard import ApiKeyMiddleware, InternalErrorMiddleware, error_response, read_json
+from surge.engine.pooling import WrongRunnerError, check_generation
 from surge.entrypoints.openai.metrics import PrometheusMetrics, check_metrics_prefix
+from surge.entrypoints.openai.pooling import PoolingHandler
+from surge.entrypoints.openai.pooling_protocol import (ClassificationRequest, EmbeddingRequest, RerankRequest,
+                                                       ScoreRequest)
 from surge.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                DetokenizeResponse, ModelCard, ModelList, ResponsesRequest,
                                                TokenizeRequest, TokenizeResponse)
@@ -46,13 +50,20 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     serving = OpenAIServing(engine, served_model_names, options)
     limits = options.limits
     completions, chat, responses = CompletionsHandler(serving), ChatHandler(serving), ResponsesHandler(serving)
+    pooling = PoolingHandler(serving)
     created = int(time.time())
 
-    def endpoint(handler, request_type):
+    def endpoint(create, request_type, generates: bool = False):
+        """create(body, request): a handler's; generates: a generation route, which a pooling model refuses."""
         async def route(request: Request) -> Response:
+            if generates:
+                try:
+                    check_generation(engine.config.model_config, request.url.path)
+                except WrongRunnerError as e:
+                    raise APIError(400, str(e), code="wrong_runner") from None
             body = await read_json(request, limits, request_type)
             try:
-                return await handler.create(body, request)
+                return await create(body, request)
             except ClientDisconnected:
                 return Response(status_code=499)  # nobody is listening; the requests were aborted
         return route
@@ -118,9 +129,15 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             Route("/version", version, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"]),
-            Route("/v1/completions", endpoint(completions, CompletionRequest), methods=["POST"]),
-            Route("/v1/chat/completions", endpoint(chat, ChatCompletionRequest), methods=["POST"]),
-            Route("/v1/responses", endpoint(responses, ResponsesRequest), methods=["POST"]),
+            Route("/v1/completions", endpoint(completions.create, CompletionRequest, True), methods=["POST"]),
+            Route("/v1/chat/completions", endpoint(chat.create, ChatCompletionRequest, True), methods=["POST"]),
+            Route("/v1/responses", endpoint(responses.create, ResponsesRequest, True), methods=["POST"]),
+            Route("/v1/embeddings", endpoint(pooling.embeddings, EmbeddingRequest), methods=["POST"]),
+            *(Route(path, endpoint(pooling.score, ScoreRequest), methods=["POST"]) for path in ("/score", "/v1/score")),
+            *(Route(path, endpoint(pooling.rerank, RerankRequest), methods=["POST"])
+              for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
+            *(Route(path, endpoint(pooling.classify, ClassificationRequest), methods=["POST"])
+              for path in ("/classify", "/v1/classify")),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/metrics", prometheus, methods=["GET"]),

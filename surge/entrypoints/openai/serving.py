@@ -26,6 +26,7 @@ from surge.entrypoints.openai.options import ServerOptions
 from surge.entrypoints.openai.protocol import ChatMessage, SamplingFields, TokenLogprob, TopLogprob
 from surge.entrypoints.openai.tools import template_tool_calls
 from surge.outputs import CompletionOutput, Logprob, RequestOutput
+from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range
@@ -272,13 +273,15 @@ class OpenAIServing:
             await stream.wait_first()
         return stream
 
-    async def run_to_end(self, http: HTTPRequest, prompts: list[tuple[list[int], SamplingParams]],
+    async def run_to_end(self, http: HTTPRequest, prompts: list[tuple[list[int], SamplingParams | PoolingParams]],
                          request_id: str, grammar_param: str | None = None) -> list[RequestOutput]:
-        """Final outputs of one request per (prompt, params); all are aborted when the client disconnects."""
-        async def one(i: int, token_ids: list[int], params: SamplingParams) -> RequestOutput:
+        """Final outputs of one request per (prompt, params); all are aborted when the client disconnects. Pooling
+        params make pooling requests (PoolingRequestOutputs)."""
+        async def one(i: int, token_ids: list[int], params: SamplingParams | PoolingParams) -> RequestOutput:
             final = None
+            pooling = params if isinstance(params, PoolingParams) else None
             async for out in self.engine.generate({"prompt_token_ids": token_ids}, params, f"{request_id}-p{i}",
-                                                  OutputKind.FINAL_ONLY):
+                                                  OutputKind.FINAL_ONLY, pooling):
                 final = out
             return final
 

@@ -54,7 +54,7 @@ def get_loader(name: str) -> Loader:
 
 
 def build_model(config: ModelConfig, device: torch.device) -> nn.Module:
-    cls = get_model_class(config.architecture)
+    cls = get_model_class(config.architecture, config.runner)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:

@@ -24,6 +24,7 @@ from surge.model.models.olmoe import OlmoeForCausalLM
 from surge.model.models.cohere import CohereForCausalLM
 from surge.model.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from surge.model.models.ernie4_5 import Ernie4_5ForCausalLM
+from surge.model.models.pooling import as_pooling_model
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -56,10 +57,31 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
-    if architecture not in MODEL_REGISTRY:
-        raise ValueError(f"architecture {architecture!r} is not supported; supported: {', '.join(MODEL_REGISTRY)}")
+# Every family also serves as a pooling model (runner "pooling"): its `*ForSequenceClassification` (a score head) and
+# its bare `*Model` (hidden states, as sentence-transformers saves it) name the family's pooling class.
+POOLING_ARCHITECTURES: dict[str, str] = {
+    arch.replace("ForCausalLM", suffix): arch for arch in MODEL_REGISTRY for suffix in ("ForSequenceClassification",
+                                                                                        "Model")}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (*MODEL_REGISTRY, *POOLING_ARCHITECTURES)
+
+
+def get_model_class(architecture: str, runner: str = "generate") -> type[nn.Module]:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: {', '.join(MODEL_REGISTRY)}, "
+                         "and each family's *ForSequenceClassification and *Model for runner='pooling'")
+    if runner == "pooling":
+        return _pooling_class(POOLING_ARCHITECTURES.get(architecture, architecture))
     return MODEL_REGISTRY[architecture]
+
+
+_POOLING_CLASSES: dict[str, type[nn.Module]] = {}
+
+
+def _pooling_class(causal_arch: str) -> type[nn.Module]:
+    """One pooling class per family, made on first use."""
+    if causal_arch not in _POOLING_CLASSES:
+        _POOLING_CLASSES[causal_arch] = as_pooling_model(MODEL_REGISTRY[causal_arch])
+    return _POOLING_CLASSES[causal_arch]
 
 
 def architectures_markdown() -> str:
