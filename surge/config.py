@@ -51,6 +51,9 @@ class ModelConfig:
     # The language model's config normalized by transformers (AutoConfig: derived layer_types, standard
     # rope_parameters, defaults filled in; a VLM's text_config): what models read. Built from hf_config when omitted.
     text_config: Any = field(default=None, repr=False, hash=False, compare=False)
+    # --quantization: online quantization of an unquantized checkpoint ("fp8"), or the checkpoint's own
+    # quantization_config.quant_method named again (surge/model/quant).
+    quantization: str | None = None
     # "generate" (sampling) or "pooling" (prefill only: embeddings, classification, scores); see RUNNERS.
     runner: str = "generate"
     pooler_config: PoolerConfig | None = None  # the pooling runner's: the checkpoint's, overridden by the user's

@@ -82,6 +82,9 @@ class EngineArgs:
     # Keys merged over config.json, as JSON text or a dict (e.g. a decoder reranker's
     # {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], ...}).
     hf_overrides: str | dict | None = None
+    # Online quantization of an unquantized checkpoint ("fp8": per-channel weights, per-token activations); a
+    # quantized checkpoint brings its own (quantization_config), which this may only name again.
+    quantization: str | None = None
 
     # ---- command line ----
     @staticmethod
@@ -134,6 +137,9 @@ class EngineArgs:
         g.add_argument("--pooler-config", default=d.pooler_config, help="the pooling runner's pooler as JSON, e.g. "
                        "'{\"pooling_type\": \"MEAN\", \"normalize\": false}' (over the checkpoint's "
                        "sentence-transformers files)")
+        g.add_argument("--quantization", "-q", default=d.quantization,
+                       help="fp8: quantize an unquantized checkpoint's linear layers as they load (per-channel fp8 "
+                       "weights, per-token dynamic fp8 activations); quantized checkpoints need no flag")
         g.add_argument("--hf-overrides", "--hf_overrides", default=d.hf_overrides,
                        help="JSON merged over config.json, e.g. '{\"is_matryoshka\": true}'")
         g.add_argument("--reasoning-parser", default=d.reasoning_parser, choices=sorted(REASONING_MARKERS),
@@ -265,6 +271,14 @@ class EngineArgs:
         return config
 
     def create_model_config(self, device: torch.device) -> ModelConfig:
+        model_config = self._model_config(device)
+        if self.quantization is not None or model_config.quantization_config is not None:
+            from surge.model.quant import get_quant_config
+            get_quant_config(model_config.quantization_config, self.quantization)  # refuses what it cannot run
+            model_config = dataclasses.replace(model_config, quantization=self.quantization)
+        return model_config
+
+    def _model_config(self, device: torch.device) -> ModelConfig:
         """From the preset, or from the model directory (the default model's, converted on first use)."""
         if self.preset is not None:
             if self.load_format not in (AUTO_LOAD_FORMAT, "dummy"):

@@ -97,11 +97,6 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, quant_config: Any = None) -> None:
         super().__init__()
-        quant = config.quantization_config
-        if quant_config is not None or quant is not None:
-            method = (quant or {}).get("quant_method") if isinstance(quant, dict) else quant_config
-            raise ValueError(f"model={config.model!r}: quantization_config.quant_method={method!r}: quantized "
-                             "checkpoints are not supported yet")
         self.config = config
         self.tc = config.text_config
         self.tie_word_embeddings = bool(cfg_get(self.tc, "tie_word_embeddings", False))

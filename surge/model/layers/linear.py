@@ -8,20 +8,72 @@ rank every layer is a plain linear layer and no collective runs.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from surge.distributed.parallel_state import get_tp_group
-from surge.model.layers.gemm import linear
+from surge.model.quant.base import UNQUANTIZED, WEIGHT, LinearMethod
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    sharding = getattr(param, "sharding", WEIGHT)
+    if loaded.numel() == 1 and (sharding.scalar or sharding.reduce_max):
+        return _fill(param.data, loaded, sharding)
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
                          f"of shape {tuple(param.shape)}")
     param.data.copy_(loaded)
+
+
+def _fill(target: torch.Tensor, loaded: torch.Tensor, sharding) -> None:
+    """A per-tensor checkpoint value: every element of its rows (scalar), or the largest seen (reduce_max)."""
+    value = loaded.reshape(()).to(target.device, target.dtype)
+    if sharding.reduce_max:
+        target.copy_(torch.maximum(target, value))
+    else:
+        target.copy_(value.expand_as(target))
+
+
+def _narrow(param: nn.Parameter, loaded: torch.Tensor, dim: int, dst_start: int, src_start: int, size: int,
+            what: str) -> None:
+    """Copy checkpoint elements [src_start, src_start + size) along `dim` into the parameter's [dst_start, ...),
+    both counted in checkpoint elements (a scale or packed parameter divides them by its sharding)."""
+    sharding = getattr(param, "sharding", WEIGHT)
+    div = (sharding.out_div if dim == 0 else sharding.in_div) or 1
+    if loaded.numel() == 1 and (sharding.scalar or sharding.reduce_max):
+        target = param.data if sharding.reduce_max else param.data.narrow(dim, dst_start // div, -(-size // div))
+        return _fill(target, loaded, sharding)
+    if dst_start % div or src_start % div:
+        raise ValueError(f"{what} starts at element {src_start} (to {dst_start}), not a multiple of the "
+                         f"quantization block {div} along dimension {dim}: this split cannot hold it")
+    count = -(-size // div)
+    target = param.data.narrow(dim, dst_start // div, count)
+    source = loaded.narrow(dim, src_start // div, count)
+    if source.shape != target.shape:
+        raise ValueError(f"{what} of shape {tuple(loaded.shape)} does not fit its slice of shape "
+                         f"{tuple(target.shape)}")
+    on_load = getattr(param, "on_load", None)
+    if on_load is not None:  # a method converting as it loads (online quantization)
+        return on_load(param, dim, dst_start // div, source)
+    target.copy_(source)
+
+
+_DEFER = [False]
+
+
+@contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Linear layers built inside create no weights: a quantization config assigns each its method afterwards, which
+    creates them (a quantized model never allocates its unquantized weights)."""
+    _DEFER[0] = True
+    try:
+        yield
+    finally:
+        _DEFER[0] = False
 
 
 @dataclass(frozen=True)
@@ -64,24 +116,35 @@ def _split(size: int, tp_size: int, what: str) -> int:
 
 
 class Linear(nn.Module):
-    """Replicated: every rank holds the whole weight."""
+    """Replicated: every rank holds the whole weight. Its LinearMethod (surge/model/quant) creates and applies the
+    weight; quantizable=False: a layer read directly (a router's F.linear) that must stay unquantized."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quantizable: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.params_dtype = torch.get_default_dtype()
+        self.quantizable = quantizable
+        self.quant_method: LinearMethod = UNQUANTIZED
+        if not (_DEFER[0] and quantizable):
+            UNQUANTIZED.create_weights(self, None)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
+    def set_method(self, method: LinearMethod, device: torch.device | None) -> None:
+        self.quant_method = method
+        method.create_weights(self, device)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        on_load = getattr(param, "on_load", None)
+        if on_load is not None and loaded.shape == param.shape:  # a method converting as it loads
+            return on_load(param, 0, 0, loaded)
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, owner=self)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(Linear):
@@ -114,21 +177,22 @@ class MergedColumnParallelLinear(Linear):
                 return self._load_fused(param, loaded)
             raise ValueError(f"shard {shard_id!r} is not one of {list(self.shard_layout)}")
         offset, size, source_start = self.shard_layout[shard_id]
-        target = param.data.narrow(0, offset, size)
-        if loaded.shape[0] != self.shard_sizes[shard_id] or loaded.shape[1:] != target.shape[1:]:
+        div = getattr(param, "sharding", WEIGHT).out_div or 1
+        if loaded.numel() > 1 and loaded.shape[0] != -(-self.shard_sizes[shard_id] // div):
             raise ValueError(f"checkpoint shard {shard_id!r} of shape {tuple(loaded.shape)} does not fit its slice "
-                             f"of shape {tuple(target.shape)} (rows {source_start}..{source_start + size} of "
-                             f"{self.shard_sizes[shard_id]}, rank {self.tp_rank} of {self.tp_size})")
-        target.copy_(loaded.narrow(0, source_start, size))
+                             f"of parameter shape {tuple(param.shape)} (rows {source_start}..{source_start + size} "
+                             f"of {self.shard_sizes[shard_id]}, rank {self.tp_rank} of {self.tp_size})")
+        _narrow(param, loaded, 0, offset, source_start, size, f"checkpoint shard {shard_id!r}")
 
     def _load_fused(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """A checkpoint tensor of every projection stacked in shard order (full sizes): each part loads as its
         shard, so each rank keeps its own slice of each."""
-        total = sum(self.shard_sizes.values())
-        if loaded.shape[0] != total:
+        div = getattr(param, "sharding", WEIGHT).out_div or 1
+        sizes = [-(-size // div) for size in self.shard_sizes.values()]
+        if loaded.shape[0] != sum(sizes):
             raise ValueError(f"fused checkpoint tensor of shape {tuple(loaded.shape)} does not stack the shards "
-                             f"{self.shard_sizes} ({total} rows)")
-        for shard_id, part in zip(self.shard_sizes, loaded.split(list(self.shard_sizes.values()), dim=0)):
+                             f"{self.shard_sizes} ({sum(sizes)} rows)")
+        for shard_id, part in zip(self.shard_sizes, loaded.split(sizes, dim=0)):
             self.weight_loader(param, part, shard_id)
 
 
@@ -173,16 +237,18 @@ class RowParallelLinear(Linear):
         super().__init__(input_shard[1], out_features, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        if param.dim() == 1:  # the bias: replicated
+        sharding = getattr(param, "sharding", WEIGHT)
+        if param.dim() == 1 or sharding.in_div is None:  # the bias, per-row or per-tensor scales: replicated
             return default_weight_loader(param, loaded)
-        size = param.shape[1]
-        if loaded.dim() != 2 or loaded.shape[0] != param.shape[0] or loaded.shape[1] != self.full_in_features:
+        div = sharding.in_div
+        if loaded.dim() != 2 or loaded.shape[0] != param.shape[0] or \
+                loaded.shape[1] != -(-self.full_in_features // div):
             raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter of shape "
                              f"{tuple(param.shape)} (input split over {self.tp_size} ranks)")
-        param.data.copy_(loaded.narrow(1, self.input_start, size))
+        _narrow(param, loaded, 1, 0, self.input_start, self.in_features, "checkpoint tensor")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, owner=self)
-        out = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, owner=self)
+            return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         return get_tp_group().all_reduce(out)

@@ -202,7 +202,7 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         self.top_k, self.norm_topk_prob, self.softmax_after_topk = top_k, norm_topk_prob, softmax_after_topk
         # The router, replicated: every rank routes every token alike.
-        self.gate = Linear(hidden, num_experts, bias=router_bias)
+        self.gate = Linear(hidden, num_experts, bias=router_bias, quantizable=False)  # read by F.linear below
         self.experts = FusedMoE(num_experts, hidden, intermediate, **expert_options)
         self.routing_simulation = envs.SURGE_MOE_ROUTING_SIMULATION
 

@@ -7,6 +7,8 @@ or, with fallback off, raises the loader's error with that reason.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -14,6 +16,8 @@ from torch import nn
 from surge.config import EngineConfig, ModelConfig
 from surge.distributed.parallel_state import get_tp_group
 from surge.logger import init_logger
+from surge.model.layers.linear import deferred_weights
+from surge.model.quant import get_quant_config, quantize_model
 from surge.model.loader.safetensors_loader import init_dummy_weights, iterate_safetensors, load_weights
 from surge.model.models.registry import get_model_class
 
@@ -54,14 +58,20 @@ def get_loader(name: str) -> Loader:
 
 
 def build_model(config: ModelConfig, device: torch.device) -> nn.Module:
+    """The model on `device`, its linear layers' parameters those of its quantization (surge/model/quant)."""
     cls = get_model_class(config.architecture, config.runner)
+    quant = get_quant_config(config.quantization_config, config.quantization)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), (deferred_weights() if quant is not None else nullcontext()):
             model = cls(config)
+        model_dir = config.model if config.load_format != "dummy" and Path(config.model).is_dir() else None
+        quantize_model(model, quant, device, model_dir)
     finally:
         torch.set_default_dtype(old_dtype)
+    if quant is not None and device.type != "meta":
+        logger.info("quantization: %s", quant.describe())
     return model.eval()
 
 

@@ -30,13 +30,19 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     """Every parameter must receive a tensor; checkpoint tensors that match no parameter are an error."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    skip = tuple("." + s for s in getattr(model, "quant_skip", ()))  # what a quantization's layers do not read
     for name, tensor in weights:
         target = model.checkpoint_name_to_param(name)
-        if target is None:
+        if target is None or (skip and name.endswith(skip)):
             continue
         param_name, shard_id = target
         if param_name not in params:
-            raise ValueError(f"{source}: checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+            hint = ""
+            if name.rsplit(".", 1)[-1] not in ("weight", "bias"):
+                hint = (" (a quantization tensor: the checkpoint quantizes a layer Surge keeps unquantized, or its "
+                        "config.json lacks the quantization_config that describes it)")
+            raise ValueError(f"{source}: checkpoint tensor {name!r} matches no parameter of "
+                             f"{type(model).__name__}{hint}")
         param = params[param_name]
         # Loaders copy (converting dtype and device) only this rank's slice: the full tensor stays where it was read.
         loader = getattr(param, "weight_loader", None)
@@ -49,7 +55,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             raise ValueError(f"{source}: tensor {name!r}: {e}") from None
         loaded.add(param_name)
     drop_packed_weights(model)  # the CPU GEMM's packed copies predate these values
-    missing = sorted(set(params) - loaded)
+    missing = sorted(name for name in set(params) - loaded  # a parameter another one's loader writes is not missing
+                     if f"{name.rsplit('.', 1)[0]}.{getattr(params[name], 'loaded_with', None)}" not in loaded)
     if missing:
         raise ValueError(f"{source}: checkpoint lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
@@ -58,7 +65,15 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights for benchmarks: small normal values, norms near 1, so activations stay finite."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    quantized = set()
+    for module_name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and method.name != "unquantized":  # its own storage (fp8, packed int ...)
+            method.init_dummy(module, gen)
+            quantized.update(f"{module_name}.{p}" for p, _ in module.named_parameters() if p != "bias")
     for name, param in model.named_parameters():
+        if name in quantized:
+            continue
         if "norm" in name:
             param.fill_(1.0)
         else:

@@ -20,7 +20,7 @@ def as_pooling_model(base: type[CausalLM]) -> type[CausalLM]:
         def __init__(self, config: ModelConfig, quant_config=None) -> None:
             super().__init__(config, quant_config)
             if config.is_cross_encoder and not config.classifier_token_ids:
-                self.score = Linear(self.tc.hidden_size, config.num_labels)
+                self.score = Linear(self.tc.hidden_size, config.num_labels, quantizable=False)
             else:
                 self.score = None
 

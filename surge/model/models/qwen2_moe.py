@@ -24,7 +24,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
                  shared_intermediate: int) -> None:
         super().__init__(hidden, num_experts, top_k, intermediate, norm_topk_prob)
         self.shared_expert = MLP(hidden, shared_intermediate)
-        self.shared_expert_gate = Linear(hidden, 1)  # replicated, like the router
+        self.shared_expert_gate = Linear(hidden, 1, quantizable=False)  # replicated, like the router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, x.dtype)

@@ -1,0 +1,210 @@
+"""FP8 (e4m3) weights: per-tensor, per-channel or in blocks (DeepSeek / Qwen3-FP8: 128x128), activations quantized
+per token or per 1x128 group as they come (dynamic) or with a checkpoint scale (static). Serves HF's `fp8`
+quant_method, compressed-tensors' float-quantized schemes, and online quantization of a bf16 checkpoint
+(`--quantization fp8`: per-channel weights quantized as they load, per-token dynamic activations).
+
+Storage: `weight` float8_e4m3fn [N, K]; the weight scale as float32 [N, 1] for per-tensor and per-channel schemes (a
+per-tensor scale fills its shard's rows, so q, k and v keep their own) or [ceil(N/bn), ceil(K/bk)] for blocks; a
+static activation scale float32 [1] (the largest of a merged layer's shards). Names as the checkpoint's: HF writes
+`weight_scale_inv` / `activation_scale`, compressed-tensors `weight_scale` / `input_scale`.
+
+CUDA: torch._scaled_mm, row-wise (scale_a [M, 1], scale_b [1, N]) or block-wise (1x128 x 128x128). Elsewhere the
+weight is dequantized once (a cached copy in the activations' dtype) and the activations' quantization simulated in
+float32 (quantize, dequantize), then the ordinary GEMM: the same math, a reference the GPU path is tested against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from surge.model.quant.base import LinearMethod, Sharding, add_param
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a row of zeros still divides by something finite
+
+
+# ---- activation quantization (torch; the CUDA path takes surge/kernels/fp8_quant.py's kernels where present) ----
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], float32 scales [M, 1]): each row scaled so its largest magnitude is 448."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=MIN_SCALE)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of group) -> (fp8 [M, K], float32 scales [M, K / group])."""
+    m, k = x.shape
+    g = x.float().view(m, k // group, group)
+    scale = (g.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)
+    return (g / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).view(m, k), scale.squeeze(-1)
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def _simulate(x: torch.Tensor, act: str, group: int, input_scale: torch.Tensor | None) -> torch.Tensor:
+    """x through the activation quantization and back, in float32 (the CPU path and the tests' reference)."""
+    if act == "static":
+        return quantize_static(x, input_scale).float() * input_scale
+    if act == "group":
+        q, s = quantize_per_group(x.reshape(-1, x.shape[-1]), group)
+        return (q.float().view(q.shape[0], -1, group) * s.unsqueeze(-1)).view(x.shape)
+    q, s = quantize_per_token(x.reshape(-1, x.shape[-1]))
+    return (q.float() * s).view(x.shape)
+
+
+def quantize_weight(w: torch.Tensor, scheme: str, block: tuple[int, int] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense [N, K] weight -> (fp8 [N, K], float32 scales as `Fp8LinearMethod` stores them). Random weights for
+    presets, online quantization, and the tests' checkpoints."""
+    w = w.float()
+    n, k = w.shape
+    if scheme == "block":
+        bn, bk = block
+        pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, device=w.device)
+        pad[:n, :k] = w
+        blocks = pad.view(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk)
+        scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_(min=MIN_SCALE)
+        expanded = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+        return (w / expanded).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+    if scheme == "tensor":
+        scale = (w.abs().amax() / FP8_MAX).clamp_(min=MIN_SCALE).expand(n, 1).clone()
+    else:
+        scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)
+    return (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_weight(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """float32 [N, K] of an fp8 weight and its stored scales ([N, 1], or blocks)."""
+    if block is None:
+        return w.float() * scale.float()
+    n, k = w.shape
+    return w.float() * scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
+
+
+# ---- the linear method ----
+
+@dataclass(frozen=True)
+class Fp8LinearMethod(LinearMethod):
+    """weights: "tensor", "channel" or "block" (with `block` (bn, bk)); activations: "token" (dynamic per token),
+    "group" (dynamic per 1 x bk group, with block weights) or "static"; online: the checkpoint holds unquantized
+    weights, quantized per channel as they load."""
+    weights: str = "channel"
+    activations: str = "token"
+    block: tuple[int, int] | None = None
+    scale_name: str = "weight_scale"
+    input_scale_name: str = "input_scale"
+    online: bool = False
+    name: str = "fp8"
+
+    def describe(self) -> str:
+        block = f" {self.block[0]}x{self.block[1]}" if self.block else ""
+        return f"fp8 {self.weights}{block} weights, {self.activations} activations" + (" (online)" if self.online
+                                                                                         else "")
+
+    def create_weights(self, layer, device) -> None:
+        n, k = layer.out_features, layer.in_features
+        add_param(layer, "weight", (n, k), FP8, device=device)
+        if self.weights == "block":
+            bn, bk = self.block
+            add_param(layer, self.scale_name, (-(-n // bn), -(-k // bk)), torch.float32, Sharding(bn, bk),
+                      device=device)
+        else:  # per row, one column: not split along the input
+            add_param(layer, self.scale_name, (n, 1), torch.float32,
+                      Sharding(1, None, scalar=self.weights == "tensor"), device=device)
+        if self.activations == "static":
+            add_param(layer, self.input_scale_name, (1,), torch.float32, Sharding(None, None, reduce_max=True),
+                      device=device, fill=0.0)
+        if self.online:
+            layer.weight.on_load = self._quantize_on_load(layer)
+            getattr(layer, self.scale_name).loaded_with = "weight"  # written by the weight's on_load
+
+    def _quantize_on_load(self, layer):
+        def on_load(param: nn.Parameter, dim: int, start: int, source: torch.Tensor) -> None:
+            """Rows [start, ...) of the weight (dim 0: a merged layer's shard) or all rows of this rank's input
+            slice (dim 1), from their unquantized values: each row scaled on its own."""
+            source = source.to(param.device)
+            q, scale = quantize_weight(source, "channel", None)
+            rows = slice(start, start + source.shape[0]) if dim == 0 else slice(None)
+            param.data[rows] = q
+            getattr(layer, self.scale_name).data[rows] = scale
+        return on_load
+
+    def init_dummy(self, layer, gen: torch.Generator) -> None:
+        dense = torch.empty(layer.out_features, layer.in_features, device=layer.weight.device)
+        dense.normal_(0.0, 0.02, generator=gen)
+        q, scale = quantize_weight(dense, self.weights, self.block)
+        layer.weight.data.copy_(q)
+        getattr(layer, self.scale_name).data.copy_(scale)
+        if self.activations == "static":
+            getattr(layer, self.input_scale_name).data.fill_(0.05)
+
+    def dense_weight(self, layer) -> torch.Tensor:
+        return dequantize_weight(layer.weight, getattr(layer, self.scale_name), self.block).to(layer.params_dtype)
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:
+            return self._apply_cuda(layer, x, bias)
+        from surge.model.layers.gemm import linear
+        input_scale = getattr(layer, self.input_scale_name, None)
+        group = self.block[1] if self.block else 0
+        x_sim = _simulate(x, self.activations, group, input_scale).to(x.dtype)
+        return linear(x_sim, self._dequantized(layer), bias, owner=layer)
+
+    def _dequantized(self, layer) -> torch.Tensor:
+        """The weight in the activations' dtype, dequantized once (again after the weight changes)."""
+        key = (layer.weight.data_ptr(), layer.weight._version, getattr(layer, self.scale_name)._version)
+        cached = layer.__dict__.get("_fp8_dequantized")
+        if cached is None or cached[0] != key:
+            with torch.inference_mode(False):  # a tensor with a version counter, for the GEMM's packed copy
+                cached = layer.__dict__["_fp8_dequantized"] = (key, self.dense_weight(layer))
+        return cached[1]
+
+    def _apply_cuda(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        w, w_scale = layer.weight, getattr(layer, self.scale_name)
+        if self.activations == "group":
+            q, x_scale = _kernels().per_group(x2, self.block[1])
+            out = torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
+            if bias is not None:
+                out = out + bias
+        else:
+            if self.activations == "static":
+                input_scale = getattr(layer, self.input_scale_name)
+                q = _kernels().static(x2, input_scale)
+                x_scale = input_scale.expand(x2.shape[0], 1)
+            else:
+                q, x_scale = _kernels().per_token(x2)
+            out = torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), bias=bias,
+                                   out_dtype=x.dtype)
+        return out.view(*shape[:-1], out.shape[-1])
+
+
+class _TorchQuant:
+    """Activation quantization in torch ops, where no kernel is given (scales M-major for block GEMMs)."""
+
+    @staticmethod
+    def per_token(x):
+        return quantize_per_token(x)
+
+    @staticmethod
+    def per_group(x, group):
+        q, s = quantize_per_group(x, group)
+        return q, s.t().contiguous().t()
+
+    @staticmethod
+    def static(x, scale):
+        return quantize_static(x, scale)
+
+
+def _kernels():
+    try:
+        from surge.kernels import fp8_quant
+    except ImportError:
+        return _TorchQuant
+    return fp8_quant
