@@ -36,39 +36,41 @@ def record_logits(llm: LLM) -> list[tuple[str, int, torch.Tensor]]:
     return records
 
 
-def _check(name, records, prompts, outs, hf, vocab):
+def _check(name, records, prompts, outs, hf, vocab, tol=ATOL):
     ids_by_rid = {o.request_id: p + o.outputs[0].token_ids for p, o in zip(prompts, outs)}
     with torch.no_grad():
         ref = {rid: hf(torch.tensor([ids])).logits[0] for rid, ids in ids_by_rid.items()}
     assert {rid for rid, _, _ in records} == set(ref)
     for rid, pos, row in records:
-        torch.testing.assert_close(row, ref[rid][pos], atol=ATOL, rtol=RTOL,
+        torch.testing.assert_close(row, ref[rid][pos], atol=tol, rtol=tol,
                                    msg=lambda m, rid=rid, pos=pos: f"{name} request {rid} pos {pos}: {m}")
     for p, o in zip(prompts, outs):  # greedy tokens are the argmax of HF's logits
         assert o.outputs[0].token_ids == ref[o.request_id][len(p) - 1:-1].argmax(-1).tolist(), name
 
 
-def check_every_step(name: str, path, hf, budget: int = 4096, vocab: int = 256, max_tokens: int = 24) -> None:
-    """Four prompts (3 to 40 tokens) in one batch, prefill in chunks of `budget` tokens."""
+def check_every_step(name: str, path, hf, budget: int = 4096, vocab: int = 256, max_tokens: int = 24,
+                     tol: float = ATOL, **engine) -> None:
+    """Four prompts (3 to 40 tokens) in one batch, prefill in chunks of `budget` tokens. engine: more LLM arguments;
+    tol: atol = rtol of the logits."""
     llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=budget,
-              max_model_len=256)
+              max_model_len=256, **engine)
     records = record_logits(llm)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3, 13, 29, 40)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                         use_tqdm=False)
     assert len(records) == max_tokens * len(prompts)
-    _check(name, records, prompts, outs, hf, vocab)
+    _check(name, records, prompts, outs, hf, vocab, tol)
 
 
 def check_prefix_hits_and_preemption(name: str, path, hf, vocab: int = 256, num_blocks: int = 40,
-                                     max_model_len: int = 128) -> None:
+                                     max_model_len: int = 128, tol: float = ATOL, **engine) -> None:
     """A warm-up request leaves a shared prefix in the cache; then a batch larger than the KV cache is preempted and
     recomputed. The KV cache starts as NaN, as uninitialized memory may: no step may read a slot no request wrote.
     A model whose every layer slides holds only a window per request: it needs a smaller cache (num_blocks, and
-    max_model_len, which the cache must hold) to be preempted."""
+    max_model_len, which the cache must hold) to be preempted. engine, tol: as check_every_step's."""
     llm = LLM(path, dtype="float32", block_size=4, num_gpu_blocks_override=num_blocks, max_num_batched_tokens=32,
-              max_model_len=max_model_len)
+              max_model_len=max_model_len, **engine)
     for cache in llm.engine.executor.runner.kv_caches:
         cache.fill_(float("nan"))
     g = torch.Generator().manual_seed(1)
@@ -79,7 +81,7 @@ def check_prefix_hits_and_preemption(name: str, path, hf, vocab: int = 256, num_
     records = record_logits(llm)
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert llm.engine.kv_cache_manager.prefix_hits > 0 and llm.engine.scheduler.num_preemptions > 0
-    _check(name, records, prompts, outs, hf, vocab)
+    _check(name, records, prompts, outs, hf, vocab, tol)
 
 
 def check_prompt_logprobs(name: str, path, hf) -> None:

@@ -27,8 +27,11 @@ def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
 
 @torch.no_grad()
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-    """Every parameter must receive a tensor; checkpoint tensors that match no parameter are an error."""
+    """Every parameter must receive a tensor; checkpoint tensors that match no parameter are an error. Buffers with a
+    weight loader (an attention layer's KV cache scales) are filled when the checkpoint has them."""
     params = dict(model.named_parameters())
+    required = set(params)
+    params.update((name, b) for name, b in model.named_buffers() if hasattr(b, "weight_loader"))
     loaded: set[str] = set()
     for name, tensor in weights:
         target = model.checkpoint_name_to_param(name)
@@ -49,7 +52,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             raise ValueError(f"{source}: tensor {name!r}: {e}") from None
         loaded.add(param_name)
     drop_packed_weights(model)  # the CPU GEMM's packed copies predate these values
-    missing = sorted(set(params) - loaded)
+    missing = sorted(required - loaded)
     if missing:
         raise ValueError(f"{source}: checkpoint lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
