@@ -276,6 +276,11 @@ def _eos_token_ids(gen_cfg: dict, cfg: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
+# What the KV cache stores, by vLLM's names: "auto" the model's dtype; "fp8" (= "fp8_e4m3") float8_e4m3fn with a
+# per-tensor k_scale and v_scale per attention layer (from the checkpoint, else 1.0).
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -283,8 +288,19 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; overrides the fraction when given
     memory_fraction: float = 0.9  # of free memory (GPU) or of available RAM (CPU), after the weights
     num_gpu_blocks_override: int | None = None  # for tests: exact number of blocks per group
+    kv_cache_dtype: str = "auto"  # a key of KV_CACHE_DTYPES
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the KV cache tensors under a model of `model_dtype`."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype == "fp8_e5m2":
+            raise ValueError("kv_cache_dtype='fp8_e5m2' (--kv-cache-dtype) is not supported; use fp8 (fp8_e4m3: "
+                             "more mantissa, per-tensor scales)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} (--kv-cache-dtype) is not supported; choose "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         if not (isinstance(self.block_size, int) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128)):
             raise ValueError(f"block_size={self.block_size!r} must be a power of two in [1, 128]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -70,13 +70,13 @@ def check_every_step(name: str, path, hf, budget: int = 4096, vocab: int = 256, 
 
 
 def check_prefix_hits_and_preemption(name: str, path, hf, vocab: int = 256, num_blocks: int = 40,
-                                     max_model_len: int = 128, atol: float = ATOL) -> None:
+                                     max_model_len: int = 128, atol: float = ATOL, **engine_args) -> None:
     """A warm-up request leaves a shared prefix in the cache; then a batch larger than the KV cache is preempted and
     recomputed. The KV cache starts as NaN, as uninitialized memory may: no step may read a slot no request wrote.
     A model whose every layer slides holds only a window per request: it needs a smaller cache (num_blocks, and
-    max_model_len, which the cache must hold) to be preempted."""
+    max_model_len, which the cache must hold) to be preempted. engine, tol: as check_every_step's."""
     llm = LLM(path, dtype="float32", block_size=4, num_gpu_blocks_override=num_blocks, max_num_batched_tokens=32,
-              max_model_len=max_model_len)
+              max_model_len=max_model_len, **engine_args)
     for cache in llm.engine.executor.runner.kv_caches:
         cache.fill_(float("nan"))
     g = torch.Generator().manual_seed(1)

@@ -116,18 +116,23 @@ class AttentionBackend(ABC):
         return self.build_metadata(common, slot_mapping, block_table)
 
     def warm_up(self, device: torch.device, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,
-                decode_sizes: list[int], max_num_seqs: int, max_workers: int) -> int:
-        """Compile the kernel variants the runtime will dispatch; returns how many were compiled."""
+                decode_sizes: list[int], max_num_seqs: int, max_workers: int,
+                kv_cache_dtype: torch.dtype | None = None) -> int:
+        """Compile the kernel variants the runtime will dispatch (kv_cache_dtype: the cache's, None: dtype);
+        returns how many were compiled."""
         return 0
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, params: AttentionParams, prologue: Prologue | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: `kv_cache_shape(...)`; meta: the layer's group's; sinks: [Hq]
-        float32 when params.has_sinks. Applies the prologue to q and k, writes k, v at meta.slot_mapping; returns
-        [T, Hq, D]. A query at position p attends to positions <= p, and with a sliding window only to positions
-        > p - sliding_window."""
+                sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: `kv_cache_shape(...)`, in q's dtype or float8_e4m3fn (an FP8
+        cache: k_scale, v_scale are float32 scalar tensors, a stored x stands for x * scale; ignored otherwise);
+        meta: the layer's group's; sinks: [Hq] float32 when params.has_sinks. Applies the prologue to q and k, writes
+        k, v at meta.slot_mapping (quantized for an FP8 cache, and then every key and value attended to, this step's
+        too, is the stored one); returns [T, Hq, D]. A query at position p attends to positions <= p, and with a
+        sliding window only to positions > p - sliding_window."""
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

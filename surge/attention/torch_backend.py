@@ -8,6 +8,8 @@ read and the mask (none when every row sees every position) depend only on the s
 of a KV group builds them and the group's other layers reuse them.
 Only slots some request wrote are read: a position a query may not see is gathered from the row's own current
 token (then masked), so the cache may start uninitialized (NaN or garbage never reaches a softmax).
+An FP8 cache stores quantize_fp8(x) and reads dequantize the gathered rows (never the whole cache); this step's own
+keys and values are used as stored, so every path sees what the Triton kernel reads.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from surge.attention.backend import (AttentionBackend, AttentionMetadata, AttentionParams, CommonAttentionMetadata,
                                     Prologue, register_backend)
+from surge.kernels.reference import FP8_KV_DTYPE, dequantize_fp8, quantize_fp8
 
 
 @dataclass
@@ -50,7 +53,7 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMetadata(**vars(common), slot_mapping=slot_mapping, block_table=block_table)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, params: AttentionParams, prologue=None,
-                sinks=None):
+                sinks=None, k_scale=None, v_scale=None):
         sliding_window, scale = params.sliding_window, params.scale
         if prologue is not None:
             q, k = _rotate(prologue, q, k, meta)
@@ -58,19 +61,24 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_slots = k_cache.view(-1, num_kv_heads * head_dim)  # one row per slot
         v_slots = v_cache.view(-1, num_kv_heads * head_dim)
-        k_slots.index_copy_(0, meta.slot_mapping, k.reshape(k.shape[0], -1))
-        v_slots.index_copy_(0, meta.slot_mapping, v.reshape(v.shape[0], -1))
+        if k_cache.dtype == FP8_KV_DTYPE:
+            k, v, scales = _write_fp8(k, v, k_slots, v_slots, meta.slot_mapping, k_scale, v_scale, q.dtype)
+        else:
+            k_slots.index_copy_(0, meta.slot_mapping, k.reshape(k.shape[0], -1))
+            v_slots.index_copy_(0, meta.slot_mapping, v.reshape(v.shape[0], -1))
+            scales = None
+        cache = _Cache(k_slots, v_slots, scales, q.dtype)
         if params.logit_softcap is not None or params.has_sinks:
-            return _explicit(q, k_slots, v_slots, meta, params, sinks, k_cache.shape[1])
+            return _explicit(q, cache, meta, params, sinks, k_cache.shape[1])
 
         qsl = meta.query_start_loc
         if meta.decode_only:
-            return self._decode(q, k_slots, v_slots, meta, sliding_window, scale, k_cache.shape[1])
+            return self._decode(q, cache, meta, sliding_window, scale, k_cache.shape[1])
         out = torch.empty_like(q)
         if any(qsl[r + 1] - qsl[r] == 1 for r in range(meta.num_reqs)):
             plan = self._plan(meta, sliding_window, k_cache.shape[1], num_kv_heads, q.shape[1] // num_kv_heads,
                               q.dtype)
-            out[plan.token_idx] = self._decode(q, k_slots, v_slots, meta, sliding_window, scale, k_cache.shape[1])
+            out[plan.token_idx] = self._decode(q, cache, meta, sliding_window, scale, k_cache.shape[1])
         block_size = k_cache.shape[1]
         for r, rows in _fresh_runs(meta, sliding_window):  # nothing cached before: plain causal attention
             start, end = qsl[r], qsl[r + rows]
@@ -88,8 +96,8 @@ class TorchAttentionBackend(AttentionBackend):
             first = 0 if sliding_window is None else max(0, seq_len - num_new - sliding_window + 1)
             k_pos = torch.arange(first, seq_len, device=q.device)
             slots = _slots_of(meta.block_table[r].long(), k_pos, block_size)
-            keys = k_slots.index_select(0, slots).view(-1, num_kv_heads, head_dim)
-            values = v_slots.index_select(0, slots).view(-1, num_kv_heads, head_dim)
+            keys = cache.keys(slots).view(-1, num_kv_heads, head_dim)
+            values = cache.values(slots).view(-1, num_kv_heads, head_dim)
             q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
             mask = _visible(q_pos[:, None], k_pos[None, :], sliding_window)
             out[start:end] = _sdpa(q[start:end].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
@@ -106,20 +114,21 @@ class TorchAttentionBackend(AttentionBackend):
                 plans[sliding_window] = plan
         return plan
 
-    def _decode(self, q, k_slots, v_slots, meta, sliding_window, scale, block_size) -> torch.Tensor:
+    def _decode(self, q, cache: _Cache, meta, sliding_window, scale, block_size) -> torch.Tensor:
         """Every decode row's output [R, Hq, D], in row order."""
         num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k_slots.shape[1] // head_dim
+        num_kv_heads = cache.k.shape[1] // head_dim
         group = num_heads // num_kv_heads
         plan = self._plan(meta, sliding_window, block_size, num_kv_heads, group, q.dtype)
         rows, length = plan.num_rows, plan.length
-        k_rows, v_rows = k_slots.view(-1, head_dim), v_slots.view(-1, head_dim)
-        keys = k_rows.index_select(0, plan.kv_rows).view(rows * num_kv_heads, length, head_dim)
+        head_rows = cache.per_head(head_dim)
+        keys = head_rows.keys(plan.kv_rows).view(rows * num_kv_heads, length, head_dim)
         q_rows = q if plan.token_idx is None else q.index_select(0, plan.token_idx)
         # The query heads sharing a KV head are that head's queries: [R * Hkv, group, D], one mask row for all.
         grouped = q_rows.reshape(rows * num_kv_heads, group, head_dim)
-        if q.dtype != torch.float32:  # the flash kernel accumulates half precision in float32
-            values = v_rows.index_select(0, plan.kv_rows).view(rows, num_kv_heads, length, head_dim)
+        # The flash kernel accumulates half precision in float32; an FP8 cache's values must be dequantized anyway.
+        if q.dtype != torch.float32 or cache.scales is not None:
+            values = head_rows.values(plan.kv_rows).view(rows, num_kv_heads, length, head_dim)
             out = F.scaled_dot_product_attention(grouped.view(rows, num_kv_heads, group, head_dim),
                                                  keys.view(rows, num_kv_heads, length, head_dim), values,
                                                  attn_mask=plan.mask, scale=scale)
@@ -128,17 +137,53 @@ class TorchAttentionBackend(AttentionBackend):
         if plan.mask is not None:
             scores.view(rows, num_kv_heads, group, length).add_(plan.mask)
         probs = scores.softmax(dim=-1)  # [R * Hkv, group, L]: one bag of L value rows per query head
-        out = F.embedding_bag(plan.value_rows, v_rows, plan.value_offsets, mode="sum",
+        out = F.embedding_bag(plan.value_rows, head_rows.v, plan.value_offsets, mode="sum",
                               per_sample_weights=probs.view(-1))
         return out.view(rows, num_heads, head_dim)
 
 
-def _explicit(q, k_slots, v_slots, meta: AttentionMetadata, params: AttentionParams, sinks: torch.Tensor | None,
+@dataclass
+class _Cache:
+    """One layer's keys and values as rows (one per slot, or per slot and KV head); reads return the query's dtype,
+    an FP8 cache's rows dequantized after the gather."""
+    k: torch.Tensor
+    v: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor] | None  # (k_scale, v_scale) of an FP8 cache
+    dtype: torch.dtype
+
+    def keys(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._read(self.k, rows, 0)
+
+    def values(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._read(self.v, rows, 1)
+
+    def _read(self, cache: torch.Tensor, rows: torch.Tensor, which: int) -> torch.Tensor:
+        gathered = cache.index_select(0, rows)
+        return gathered if self.scales is None else dequantize_fp8(gathered, self.scales[which], self.dtype)
+
+    def per_head(self, head_dim: int) -> _Cache:
+        return _Cache(self.k.view(-1, head_dim), self.v.view(-1, head_dim), self.scales, self.dtype)
+
+
+def _write_fp8(k, v, k_slots, v_slots, slot_mapping, k_scale, v_scale, dtype):
+    """k and v quantized into an FP8 cache at their slots (as raw bytes: CPU index_copy_ has no float8 kernel);
+    returns them as stored, dequantized to dtype, and the scales."""
+    if k_scale is None or v_scale is None:
+        raise ValueError("an FP8 KV cache needs k_scale and v_scale")
+    stored = []
+    for x, slots, scale in ((k, k_slots, k_scale), (v, v_slots, v_scale)):
+        x8 = quantize_fp8(x, scale)
+        slots.view(torch.uint8).index_copy_(0, slot_mapping, x8.reshape(x8.shape[0], -1).view(torch.uint8))
+        stored.append(dequantize_fp8(x8, scale, dtype))
+    return stored[0], stored[1], (k_scale, v_scale)
+
+
+def _explicit(q, cache: _Cache, meta: AttentionMetadata, params: AttentionParams, sinks: torch.Tensor | None,
               block_size: int) -> torch.Tensor:
     """Attention with the variants SDPA has no argument for, one request at a time, scores computed in float32:
     logit soft-capping (s -> cap * tanh(s / cap), before the mask) and sinks (a per-head logit in each softmax's
     denominator, weighting no value), as HF's eager attention does."""
-    num_kv_heads, head_dim = k_slots.shape[1] // q.shape[2], q.shape[2]
+    num_kv_heads, head_dim = cache.k.shape[1] // q.shape[2], q.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
     qsl = meta.query_start_loc
@@ -151,8 +196,8 @@ def _explicit(q, k_slots, v_slots, meta: AttentionMetadata, params: AttentionPar
         first = 0 if window is None else max(0, seq_len - (end - start) - window + 1)
         k_pos = torch.arange(first, seq_len, device=q.device)
         slots = _slots_of(meta.block_table[r].long(), k_pos, block_size)
-        keys = k_slots.index_select(0, slots).view(-1, num_kv_heads, head_dim).float()
-        values = v_slots.index_select(0, slots).view(-1, num_kv_heads, head_dim).float()
+        keys = cache.keys(slots).view(-1, num_kv_heads, head_dim).float()
+        values = cache.values(slots).view(-1, num_kv_heads, head_dim).float()
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * params.scale
         if params.logit_softcap is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from surge.attention.backend import AttentionBackend, AttentionMetadata, AttentionParams, register_backend
+from surge.kernels.reference import FP8_KV_DTYPE
 
 
 # Triton's interpreter runs on the CPU; the split policy then assumes a GPU of this many SMs (an H100/H200).
@@ -32,43 +33,45 @@ class TritonAttentionBackend(AttentionBackend):
         return self._kernels[device]
 
     def warm_up(self, device: torch.device, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,
-                decode_sizes: list[int], max_num_seqs: int, max_workers: int) -> int:
+                decode_sizes: list[int], max_num_seqs: int, max_workers: int,
+                kv_cache_dtype: torch.dtype | None = None) -> int:
         """Every attention variant the runtime will dispatch (each decode capture size and the mixed launch, per
         distinct layer), compiled before serving, so no request or graph capture waits for the compiler."""
         if device.type != "cuda":
             return 0
         kernel = self.kernel(device)
-        keys = warm_up_keys(kernel, layers, block_size, dtype, decode_sizes, max_num_seqs)
+        keys = warm_up_keys(kernel, layers, block_size, dtype, decode_sizes, max_num_seqs, kv_cache_dtype)
         return kernel.compile_many(keys, max_workers=max_workers)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, params: AttentionParams, prologue=None,
-                sinks=None):
+                sinks=None, k_scale=None, v_scale=None):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         slots = meta.slot_mapping
         if prologue is None:
             from surge.kernels.kv_cache import write_kv_cache
-            write_kv_cache(k, v, k_cache, v_cache, slots)
+            write_kv_cache(k, v, k_cache, v_cache, slots, k_scale, v_scale)
         else:  # norm + rotary + cache write in one launch
             from surge.kernels.rotary import rotary_write_kv
             rotary_write_kv(prologue.positions, q, k, v, prologue.cos_cache, prologue.sin_cache, k_cache, v_cache,
                             slots, prologue.q_norm_weight, prologue.k_norm_weight, prologue.norm_eps,
-                            prologue.interleaved)
+                            prologue.interleaved, k_scale, v_scale)
         return self.kernel(q.device)(
             q, k_cache, v_cache, meta.block_table, meta.seq_lens_t, meta.query_start_loc_t,
             num_seqs=meta.num_reqs, decode_only=meta.decode_only, sliding_window=params.sliding_window,
-            scale=params.scale, logit_softcap=params.logit_softcap, sinks=sinks)
+            scale=params.scale, logit_softcap=params.logit_softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
 def warm_up_keys(kernel, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,
-                 decode_sizes: list[int], max_num_seqs: int) -> list:
+                 decode_sizes: list[int], max_num_seqs: int, kv_cache_dtype: torch.dtype | None = None) -> list:
     """The launch keys of every attention variant the runtime dispatches: per distinct layer, the few-token and the
-    general mixed launch and each decode capture size (repeats collapse in the kernel's cache)."""
+    general mixed launch and each decode capture size (repeats collapse in the kernel's cache); kv_cache_dtype: the
+    cache's (None: dtype)."""
     from surge.kernels.attention import FEW_TOKENS
 
     return [kernel.dispatch(decode_only=decode, num_seqs=n, num_q_heads=p.num_heads, num_kv_heads=p.num_kv_heads,
                             head_dim=p.head_dim, block_size=block_size, dtype=dtype,
                             sliding=p.sliding_window is not None, softcap=p.logit_softcap is not None,
-                            sinks=p.has_sinks, num_tokens=t)
+                            sinks=p.has_sinks, num_tokens=t, fp8_kv=kv_cache_dtype == FP8_KV_DTYPE)
             for p in layers
             for decode, n, t in [(False, max_num_seqs, FEW_TOKENS), (False, max_num_seqs, None)]
             + [(True, n, None) for n in decode_sizes]]

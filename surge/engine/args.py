@@ -44,6 +44,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     memory_fraction: float = 0.9
     num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"  # "fp8" (fp8_e4m3): float8 keys and values, per-tensor scales
     max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len when chunked prefill is off
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
@@ -104,6 +105,9 @@ class EngineArgs:
         g.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="KV cache budget in bytes")
         g.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
                        help="share of free memory for the KV cache")
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, help="auto (the model's dtype), fp8 or "
+                       "fp8_e4m3: the KV cache stores float8_e4m3fn (twice the tokens of bf16), scaled per layer by "
+                       "the checkpoint's k_scale / v_scale where it has them, else 1.0")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="token budget per step")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -207,7 +211,8 @@ class EngineArgs:
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching
                                      and (model_config.runner != "pooling" or model_config.pooler_config.type == "LAST"),
                                      kv_cache_memory=self.kv_cache_memory, memory_fraction=self.memory_fraction,
-                                     num_gpu_blocks_override=self.num_gpu_blocks_override),
+                                     num_gpu_blocks_override=self.num_gpu_blocks_override,
+                                     kv_cache_dtype=self.kv_cache_dtype),
             scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=self.max_num_seqs, max_model_len=model_config.max_model_len,
                                              enable_chunked_prefill=self.enable_chunked_prefill,

@@ -4,7 +4,9 @@ cache; decode-only batches may split the KV sequence across programs (flash-deco
 One program owns a tile of BLOCK_Q query tokens x all query heads of one KV head (a GQA group), so each K/V tile it
 loads serves the whole group. Loop bounds come from seq_lens and query_start_loc in device memory, and the grid from
 the token and request counts, so a launch captured in a CUDA graph stays valid for any sequence lengths.
-Compile-time variants: sliding window, logit soft-capping (Gemma 2) and attention sinks (gpt-oss).
+Compile-time variants: sliding window, logit soft-capping (Gemma 2), attention sinks (gpt-oss) and an FP8 cache
+(float8_e4m3fn keys and values, per-tensor scales: K/V tiles are widened to the query's dtype in registers, k_scale
+joins the softmax scale and v_scale the output, both exact rewrites of dequantizing every element).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from surge.kernels.reference import FP8_KV_DTYPE
 from surge.kernels.warmup import CompiledKernel
 
 LOG2E = 1.4426950408889634  # the kernel's softmax runs on exp2: logits are carried times log2(e)
@@ -121,14 +124,14 @@ def _tanh(x):
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-        block_table_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
+        block_table_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
         num_seqs, qk_scale, window, softcap,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         SLIDING: tl.constexpr, DECODE: tl.constexpr, SEARCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
+        SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8_KV: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -192,6 +195,8 @@ def _paged_attention_kernel(
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_hi, tile_lo + per_split)
 
+    if FP8_KV:  # q . (k * k_scale) = (q . k) * k_scale: the scale joins the softmax scale, not every element
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     if HAS_SINKS:
@@ -210,6 +215,8 @@ def _paged_attention_kernel(
         block_id = tl.load(table_row + pos // CACHE_BLOCK, mask=pos_ok, other=0)
         slot = block_id.to(tl.int64) * stride_cb + (pos % CACHE_BLOCK) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + slot[None, :] + dim[:, None], mask=pos_ok[None, :] & dim_ok[:, None], other=0.0)
+        if FP8_KV:  # exact: every float8_e4m3fn value is a bfloat16, float16 and float32 value
+            k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # log2 domain: qk_scale includes log2(e)
         if SOFTCAP:  # cap * tanh(s / cap) of the natural score: with s and softcap both times log2(e), the same
             s = softcap * _tanh(s / softcap)
@@ -223,9 +230,13 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + slot[:, None] + dim[None, :], mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
+        if FP8_KV:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if FP8_KV:  # sum_j p_j (v_j * v_scale) = (sum_j p_j v_j) * v_scale, split partials alike (the merge is linear)
+        acc = acc * tl.load(v_scale_ptr)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dim[None, :],
@@ -264,8 +275,8 @@ def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_o
 
 @dataclass(frozen=True)
 class AttentionKey:
-    """What a compiled variant depends on: dtypes, head geometry, cache block size, window, soft-cap and sinks
-    on/off, launch."""
+    """What a compiled variant depends on: dtypes, head geometry, cache block size, window, soft-cap, sinks and FP8
+    cache on/off, launch."""
     dtype: torch.dtype
     num_q_heads: int
     num_kv_heads: int
@@ -275,6 +286,7 @@ class AttentionKey:
     launch: AttentionLaunch
     softcap: bool = False  # scores soft-capped: cap * tanh(s / cap)
     sinks: bool = False  # a per-head sink logit joins the softmax denominator
+    fp8_kv: bool = False  # the cache holds float8_e4m3fn with per-tensor scales (else the query's dtype)
 
 
 class PagedAttention(CompiledKernel):
@@ -286,35 +298,42 @@ class PagedAttention(CompiledKernel):
 
     def dispatch(self, *, decode_only: bool, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype, sliding: bool, num_tokens: int | None = None,
-                 softcap: bool = False, sinks: bool = False) -> AttentionKey:
+                 softcap: bool = False, sinks: bool = False, fp8_kv: bool = False) -> AttentionKey:
         launch = launch_policy(decode_only=decode_only, num_seqs=num_seqs, num_q_heads=num_q_heads,
                                num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, num_sms=self.num_sms,
                                num_tokens=num_tokens)
-        return AttentionKey(dtype, num_q_heads, num_kv_heads, head_dim, block_size, sliding, launch, softcap, sinks)
+        return AttentionKey(dtype, num_q_heads, num_kv_heads, head_dim, block_size, sliding, launch, softcap, sinks,
+                            fp8_kv)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, num_seqs: int, decode_only: bool,
                  sliding_window: int | None, scale: float, out: torch.Tensor | None = None,
-                 logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (same strides); block_table:
-        [num_seqs, max_blocks] int32; seq_lens: [num_seqs] (tokens in the cache after this step, including this
-        step's); query_start_loc: [num_seqs + 1] int32. decode_only: every request has exactly one query token.
-        logit_softcap: scores s -> cap * tanh(s / cap) before masking; sinks: [Hq] float32, a logit per query head
-        in each softmax's denominator."""
+                 logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (same strides), in q's dtype or
+        float8_e4m3fn (then k_scale, v_scale: float32 scalar tensors, a stored x stands for x * scale);
+        block_table: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] (tokens in the cache after this step,
+        including this step's); query_start_loc: [num_seqs + 1] int32. decode_only: every request has exactly one
+        query token. logit_softcap: scores s -> cap * tanh(s / cap) before masking; sinks: [Hq] float32, a logit
+        per query head in each softmax's denominator."""
         num_tokens, num_q_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.dtype != torch.float32):
             raise ValueError(f"sinks {tuple(sinks.shape)} {sinks.dtype} must be [{num_q_heads}] float32: one logit "
                              "per query head")
+        fp8_kv = k_cache.dtype == FP8_KV_DTYPE
+        if k_cache.dtype not in (q.dtype, FP8_KV_DTYPE) or (fp8_kv and (k_scale is None or v_scale is None)):
+            raise ValueError(f"a {k_cache.dtype} KV cache under {q.dtype} queries: the cache holds the queries' dtype, "
+                             "or float8_e4m3fn with k_scale and v_scale")
         key = self.dispatch(decode_only=decode_only, num_seqs=num_seqs, num_q_heads=num_q_heads,
                             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=q.dtype,
                             sliding=sliding_window is not None, num_tokens=num_tokens,
-                            softcap=logit_softcap is not None, sinks=sinks is not None)
+                            softcap=logit_softcap is not None, sinks=sinks is not None, fp8_kv=fp8_kv)
         self.ensure(key)
         if out is None:
             out = torch.empty_like(q)
         _launch(key, q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, num_tokens, num_seqs,
-                sliding_window or 0, scale, logit_softcap or 0.0, sinks)
+                sliding_window or 0, scale, logit_softcap or 0.0, sinks, k_scale, v_scale)
         return out
 
     def compile(self, key: AttentionKey) -> object:
@@ -322,14 +341,15 @@ class PagedAttention(CompiledKernel):
         hq, hkv, d, bs = key.num_q_heads, key.num_kv_heads, key.head_dim, key.block_size
         dev = self.device
         q = torch.empty(1, (hq + 2 * hkv) * d, dtype=key.dtype, device=dev)[:, :hq * d].view(1, hq, d)
-        kv_cache = torch.empty(2, 2, bs, hkv, d, dtype=key.dtype, device=dev)
+        kv_cache = torch.empty(2, 2, bs, hkv, d, dtype=FP8_KV_DTYPE if key.fp8_kv else key.dtype, device=dev)
+        kv_scale = torch.ones((), dtype=torch.float32, device=dev) if key.fp8_kv else None
         table = torch.zeros(1, 16, dtype=torch.int32, device=dev)
         seq_lens = torch.ones(1, dtype=torch.int64, device=dev)
         query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=dev)
         sinks = torch.zeros(hq, dtype=torch.float32, device=dev) if key.sinks else None
         return _launch(key, q, kv_cache[0], kv_cache[1], torch.empty(1, hq, d, dtype=key.dtype, device=dev), table,
                        seq_lens, query_start_loc, 1, 1, 1 if key.sliding else 0, d ** -0.5,
-                       50.0 if key.softcap else 0.0, sinks, warmup=True)
+                       50.0 if key.softcap else 0.0, sinks, kv_scale, kv_scale, warmup=True)
 
 
 def launch_constexprs(key: AttentionKey) -> dict:
@@ -339,14 +359,14 @@ def launch_constexprs(key: AttentionKey) -> dict:
                 HEAD_DIM_PAD=max(16, triton.next_power_of_2(key.head_dim)), CACHE_BLOCK=key.block_size,
                 BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, NUM_SPLITS=launch.num_splits,
                 SLIDING=key.sliding, DECODE=launch.decode, SEARCH=launch.search, SOFTCAP=key.softcap,
-                HAS_SINKS=key.sinks,
+                HAS_SINKS=key.sinks, FP8_KV=key.fp8_kv,
                 DOT_PRECISION="ieee" if key.dtype == torch.float32 else "tf32",
                 num_warps=launch.num_warps, num_stages=launch.num_stages)
 
 
 def _launch(key: AttentionKey, q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, num_tokens: int,
             num_seqs: int, window: int, scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None,
-            warmup: bool = False):
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, warmup: bool = False):
     launch = key.launch
     head_dim_pad = max(16, triton.next_power_of_2(key.head_dim))
     assert tuple(k_cache.stride()) == tuple(v_cache.stride()), "K and V caches must share a layout"
@@ -367,8 +387,10 @@ def _launch(key: AttentionKey, q, k_cache, v_cache, out, block_table, seq_lens, 
     else:  # the kernel never touches them without splits: any float32 pointer will do
         part_acc = part_ml = torch.empty(0, dtype=torch.float32, device=q.device)
     assert (sinks is not None) == key.sinks and (softcap > 0) == key.softcap
+    assert not key.fp8_kv or (k_scale is not None and v_scale is not None)
     args = (q, k_cache, v_cache, out, part_acc, part_ml, block_table, seq_lens, query_start_loc,
             sinks if key.sinks else part_ml,  # without sinks never read: any float32 pointer
+            k_scale if key.fp8_kv else part_ml, v_scale if key.fp8_kv else part_ml,
             num_seqs, scale * LOG2E, window, softcap * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0))

@@ -1,9 +1,23 @@
-"""Plain-torch definitions of what the fused kernels compute (RMSNorm, rotate-half rotary, mixture of experts): the
-CPU path of the layers and the attention prologue, and the reference the Triton kernels are tested against. No Triton
-here."""
+"""Plain-torch definitions of what the fused kernels compute (RMSNorm, rotate-half rotary, mixture of experts, the
+FP8 KV cache's quantization): the CPU path of the layers and the attention prologue, and the reference the Triton
+kernels are tested against. No Triton here."""
 from __future__ import annotations
 
 import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn  # what an FP8 KV cache stores (vLLM's fp8 / fp8_e4m3)
+FP8_MAX = 448.0  # its largest finite value: quantized values saturate there
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in float32, saturated to +-FP8_MAX, rounded to the nearest float8_e4m3fn (ties to even): what the
+    cache-write kernels store. scale: a float32 scalar tensor (per-tensor)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What a stored float8 value stands for: x * scale (in float32), in `dtype`."""
+    return (x.float() * scale).to(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

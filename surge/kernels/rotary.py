@@ -3,7 +3,8 @@ once and rotates every query and key head with them. The first rotary_dim channe
 default), the rest pass through; in HF's "rotate half" (NeoX) layout, or GPT-J's interleaved one (pairs 2i, 2i + 1).
 
 `rotary_write_kv` is the attention prologue in one launch instead of four: optional per-head RMSNorm of q and k
-(Qwen3), rotary on both, q rotated in place, k and v written straight into the paged cache at their slots.
+(Qwen3), rotary on both, q rotated in place, k and v written straight into the paged cache at their slots (an FP8
+cache's quantized as kv_cache.write_kv_cache does, a compile-time variant).
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from surge.kernels.kv_cache import quantize_fp8
+from surge.kernels.reference import FP8_KV_DTYPE
 
 
 @dataclass(frozen=True)
@@ -111,12 +115,22 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
 
 
 @triton.jit
-def _norm_rotate_heads(src_ptr, stride_h, dst_ptr, stride_dh, w_ptr, cos, sin, eps, NUM_HEADS: tl.constexpr,
+def _store(ptr, x, mask, scale, FP8: tl.constexpr):
+    """x (in the source's dtype) at ptr; into an FP8 cache quantized with scale."""
+    if FP8:
+        x = quantize_fp8(x, scale)
+    tl.store(ptr, x, mask=mask)
+
+
+@triton.jit
+def _norm_rotate_heads(src_ptr, stride_h, dst_ptr, stride_dh, w_ptr, cos, sin, eps, scale, NUM_HEADS: tl.constexpr,
                        HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                       REST_PAD: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_NORM: tl.constexpr):
+                       REST_PAD: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_NORM: tl.constexpr,
+                       FP8: tl.constexpr):
     """[heads, D] from src to dst (the same place for q): per-head RMSNorm over all D channels, then the pairs of
     the first 2 * HALF rotated and the rest passed through. RMSNorm rounds as the layer does (normalised value
-    rounded to the dtype, then the weight product), so the result equals norm -> rotary."""
+    rounded to the dtype, then the weight product), so the result equals norm -> rotary. FP8: dst is an FP8 cache;
+    the result, rounded to the source's dtype, is quantized with scale (as the unfused path writes it)."""
     head = tl.arange(0, HEADS_PAD)
     head_ok = (head < NUM_HEADS)[:, None]
     off1, off2, pair_ok = _pair_offsets(HALF, HALF_PAD, INTERLEAVED)
@@ -144,20 +158,20 @@ def _norm_rotate_heads(src_ptr, stride_h, dst_ptr, stride_dh, w_ptr, cos, sin, e
         if REST_PAD > 0:
             w3 = tl.load(w_ptr + rest, mask=rest < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
             x3 = ((c * rstd).to(x3.dtype).to(tl.float32) * w3).to(x3.dtype)
-    tl.store(dst + off1[None, :], (a * cos - b * sin).to(x1.dtype), mask=mask)
-    tl.store(dst + off2[None, :], (b * cos + a * sin).to(x2.dtype), mask=mask)
+    _store(dst + off1[None, :], (a * cos - b * sin).to(x1.dtype), mask, scale, FP8)
+    _store(dst + off2[None, :], (b * cos + a * sin).to(x2.dtype), mask, scale, FP8)
     if REST_PAD > 0:
-        tl.store(dst + rest[None, :], x3, mask=rest_mask)
+        _store(dst + rest[None, :], x3, rest_mask, scale, FP8)
 
 
 @triton.jit
 def _rotary_write_kv_kernel(positions_ptr, slot_mapping_ptr, q_ptr, k_ptr, v_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr,
-                            k_cache_ptr, v_cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                            stride_vh, stride_cos, stride_sin, stride_cb, stride_cs, stride_ch, eps,
-                            NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
+                            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_kt,
+                            stride_kh, stride_vt, stride_vh, stride_cos, stride_sin, stride_cb, stride_cs, stride_ch,
+                            eps, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
                             K_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                             HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
-                            HAS_NORM: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+                            HAS_NORM: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     i = tl.arange(0, HALF_PAD)
@@ -166,38 +180,46 @@ def _rotary_write_kv_kernel(positions_ptr, slot_mapping_ptr, q_ptr, k_ptr, v_ptr
 
     if tl.program_id(1) == 0:  # the queries, in place
         q_row = q_ptr + token * stride_qt
-        _norm_rotate_heads(q_row, stride_qh, q_row, stride_qh, q_w_ptr, cos, sin, eps, NUM_Q_HEADS, Q_HEADS_PAD,
-                           HEAD_DIM, HALF, HALF_PAD, REST_PAD, INTERLEAVED, HAS_NORM)
+        _norm_rotate_heads(q_row, stride_qh, q_row, stride_qh, q_w_ptr, cos, sin, eps, 1.0, NUM_Q_HEADS,
+                           Q_HEADS_PAD, HEAD_DIM, HALF, HALF_PAD, REST_PAD, INTERLEAVED, HAS_NORM, False)
     else:  # keys and values into the cache; a negative slot is a padding row of a CUDA graph
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
+            if FP8:
+                k_scale = tl.load(k_scale_ptr)
+                v_scale = tl.load(v_scale_ptr)
+            else:
+                k_scale = 1.0
+                v_scale = 1.0
             dst = (slot // CACHE_BLOCK) * stride_cb + (slot % CACHE_BLOCK) * stride_cs
             _norm_rotate_heads(k_ptr + token * stride_kt, stride_kh, k_cache_ptr + dst, stride_ch, k_w_ptr, cos,
-                               sin, eps, NUM_K_HEADS, K_HEADS_PAD, HEAD_DIM, HALF, HALF_PAD, REST_PAD, INTERLEAVED,
-                               HAS_NORM)
+                               sin, eps, k_scale, NUM_K_HEADS, K_HEADS_PAD, HEAD_DIM, HALF, HALF_PAD, REST_PAD,
+                               INTERLEAVED, HAS_NORM, FP8)
             # v as it is, in the same pieces (the pairs' channels and the rest cover the head once)
             kh = tl.arange(0, K_HEADS_PAD)
             off1, off2, pair_ok = _pair_offsets(HALF, HALF_PAD, INTERLEAVED)
             v_src = v_ptr + token * stride_vt + kh[:, None] * stride_vh
             v_dst = v_cache_ptr + dst + kh[:, None] * stride_ch
             mask = (kh < NUM_K_HEADS)[:, None] & pair_ok[None, :]
-            tl.store(v_dst + off1[None, :], tl.load(v_src + off1[None, :], mask=mask), mask=mask)
-            tl.store(v_dst + off2[None, :], tl.load(v_src + off2[None, :], mask=mask), mask=mask)
+            _store(v_dst + off1[None, :], tl.load(v_src + off1[None, :], mask=mask), mask, v_scale, FP8)
+            _store(v_dst + off2[None, :], tl.load(v_src + off2[None, :], mask=mask), mask, v_scale, FP8)
             if REST_PAD > 0:
                 rest = 2 * HALF + tl.arange(0, REST_PAD)
                 rest_mask = (kh < NUM_K_HEADS)[:, None] & (rest < HEAD_DIM)[None, :]
-                tl.store(v_dst + rest[None, :], tl.load(v_src + rest[None, :], mask=rest_mask), mask=rest_mask)
+                _store(v_dst + rest[None, :], tl.load(v_src + rest[None, :], mask=rest_mask), rest_mask, v_scale,
+                       FP8)
 
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_cache: torch.Tensor, sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
-                    k_norm_weight: torch.Tensor | None = None, eps: float = 0.0, interleaved: bool = False) -> None:
+                    k_norm_weight: torch.Tensor | None = None, eps: float = 0.0, interleaved: bool = False,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """q [T, Hq, D] is normed over the whole head (when weights are given) and rotated in place; k and v [T, Hk, D]
     go, k normed and rotated, into k_cache / v_cache [num_blocks, block_size, Hk, D] at slot_mapping [T] (negative:
     skipped); k itself is left as it was. Any token/head strides, unit stride on D. cos_cache, sin_cache
     [max_position, rotary_dim // 2]: the first rotary_dim channels turn, the rest pass through; interleaved: GPT-J's
-    pairs (2i, 2i + 1)."""
+    pairs (2i, 2i + 1). An FP8 cache needs k_scale and v_scale (float32 scalar tensors on the device)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     if k.shape != (num_tokens, num_k_heads, head_dim) or v.shape != k.shape:
@@ -208,15 +230,18 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
     assert all(t.stride(-1) == 1 for t in (q, k, v, cos_cache, sin_cache, k_cache))
     assert tuple(k_cache.stride()) == tuple(v_cache.stride()), "K and V caches must share a layout"
+    fp8 = k_cache.dtype == FP8_KV_DTYPE
+    assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs k_scale and v_scale"
     if num_tokens == 0:
         return
     launch = launch_policy(num_q_heads, num_k_heads, head_dim, rotary_dim)
     has_norm = q_norm_weight is not None
     _rotary_write_kv_kernel[(num_tokens, 2)](  # per token: one program for the queries, one for keys and values
         positions, slot_mapping, q, k, v, q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
-        cos_cache, sin_cache, k_cache, v_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        cos_cache, sin_cache, k_cache, v_cache, k_scale if fp8 else cos_cache, v_scale if fp8 else cos_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), cos_cache.stride(0), sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), eps, NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, Q_HEADS_PAD=launch.q_heads_pad,
         K_HEADS_PAD=launch.k_heads_pad, HEAD_DIM=head_dim, HALF=rotary_dim // 2, HALF_PAD=launch.half_pad,
         REST_PAD=launch.rest_pad, INTERLEAVED=interleaved, HAS_NORM=has_norm, CACHE_BLOCK=k_cache.shape[1],
-        num_warps=launch.num_warps)
+        FP8=fp8, num_warps=launch.num_warps)

@@ -122,6 +122,14 @@ def block_layout_key(config: EngineConfig, kv_cache_config: KVCacheConfig, group
             f":w{window}")
 
 
+def write_blocks(cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    """cache[:, block_ids] = blocks (a layer's [2, num_blocks, ...] cache): on raw bytes for a float8 cache, whose
+    dtype CPU index_copy_ has no kernel for."""
+    if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        cache, blocks = cache.view(torch.uint8), blocks.view(torch.uint8)
+    cache.index_copy_(1, block_ids, blocks)
+
+
 def gather_across_ranks(value: object) -> list[object]:
     """Every tensor-parallel rank's value (small host objects: sets of request ids), on every rank."""
     tp = get_tp_group()

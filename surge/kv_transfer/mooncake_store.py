@@ -34,7 +34,7 @@ from surge.core.request import Request
 from surge.core.scheduler_output import SchedulerOutput
 from surge.distributed.parallel_state import get_tp_group
 from surge.kv_transfer.base import (KVConnectorBase, KVConnectorRole, agree_across_ranks, block_index,
-                                    block_layout_key)
+                                    block_layout_key, write_blocks)
 from surge.logger import init_logger
 
 logger = init_logger(__name__)
@@ -641,7 +641,7 @@ class MooncakeStoreConnector(KVConnectorBase):
                 staged = self._staged(g, first, len(block_ids))
                 src = staged.to(device, non_blocking=True) if self._pin else staged
                 for li, layer in enumerate(layers):
-                    self._caches[layer].index_copy_(1, ids, src[:, li].transpose(0, 1))
+                    write_blocks(self._caches[layer], ids, src[:, li].transpose(0, 1))
             job.seconds += time.perf_counter() - start
             if self._pin:  # the slots are free once the host-to-device copy has read them
                 event = torch.cuda.Event()

@@ -24,7 +24,7 @@ from surge.core.kv_connector import KVConnectorOutput
 from surge.core.request import Request
 from surge.core.scheduler_output import SchedulerOutput
 from surge.kv_transfer.base import (KVConnectorBase, KVConnectorRole, agree_across_ranks, block_index,
-                                    gather_across_ranks)
+                                    gather_across_ranks, write_blocks)
 from surge.logger import init_logger
 
 logger = init_logger(__name__)
@@ -251,7 +251,7 @@ class OffloadingConnector(KVConnectorBase):
             for first, lo, hi in _runs([slot for slot, _ in copies]):
                 staging[first:first + hi - lo].copy_(pool[lo:hi], non_blocking=True)
             for li, layer in enumerate(layers):  # [n, 2, bs, H, D] -> the cache's [2, n, bs, H, D] at ids
-                self._caches[layer].index_copy_(1, ids, staging[:, li].transpose(0, 1))
+                write_blocks(self._caches[layer], ids, staging[:, li].transpose(0, 1))
             nbytes += staging.numel() * staging.element_size()
         with self._lock:
             self._stats.loaded_bytes += nbytes

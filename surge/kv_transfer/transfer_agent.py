@@ -22,6 +22,7 @@ from concurrent.futures import Future
 import msgspec
 import torch
 
+from surge.kv_transfer.base import write_blocks
 from surge.logger import init_logger
 
 logger = init_logger(__name__)
@@ -184,7 +185,7 @@ class TransferAgent:
         for cache, stage, g in zip(self.kv_caches, self.staging, group_of_layer, strict=True):
             if g in ids:
                 n = len(block_ids[groups.index(g)])
-                cache.index_copy_(1, ids[g], stage[:, first:first + n].to(device, non_blocking=True))
+                write_blocks(cache, ids[g], stage[:, first:first + n].to(device, non_blocking=True))
         if device.type != "cuda":
             return None
         event = torch.cuda.Event()

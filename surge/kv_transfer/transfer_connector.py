@@ -128,6 +128,7 @@ class MooncakeTransferConnector(KVConnectorBase):
         self.groups = kv_cache_config.transferable_group_ids
         self.block_size = kv_cache_config.groups[0].spec.block_size
         self.digest = layout_digest(config, kv_cache_config)
+        self.kv_cache_dtype = str(kv_cache_config.groups[0].spec.dtype).removeprefix("torch.")  # named in refusals
         self._key = id(config.kv_transfer_config)  # both halves of one engine share its config object
         self._group_of_layer = [kv_cache_config.group_of_layer(i).group_id
                                 for i in range(sum(len(g.layer_ids) for g in kv_cache_config.groups))]
@@ -160,7 +161,10 @@ class MooncakeTransferConnector(KVConnectorBase):
         if request.request_id in self._read:
             return None
         problem = None
-        if params.get("remote_layout_digest") != self.digest:
+        if params.get("remote_kv_cache_dtype", self.kv_cache_dtype) != self.kv_cache_dtype:
+            problem = (f"its KV cache dtype {params.get('remote_kv_cache_dtype')!r} differs from this engine's "
+                       f"{self.kv_cache_dtype!r} (--kv-cache-dtype)")
+        elif params.get("remote_layout_digest") != self.digest:
             problem = (f"its layout {params.get('remote_layout_digest')!r} differs from this engine's "
                        f"{self.digest!r}")
         elif _block_lists(params.get("remote_block_ids"), len(self.groups)) is None:
@@ -244,6 +248,7 @@ class MooncakeTransferConnector(KVConnectorBase):
             "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": transfer_id,
             "remote_engine_id": agent.engine_id, "remote_session": agent.session,
             "remote_layout": list(agent.layout_region), "remote_layout_digest": self.digest,
+            "remote_kv_cache_dtype": self.kv_cache_dtype,
             "remote_block_ids": remote_ids,
             "remote_num_tokens": request.num_prompt_tokens,
             "remote_prompt_digest": prompt_digest(request.prompt_token_ids),

@@ -60,6 +60,12 @@ class WeightMapper:
 
 LLAMA_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# FP8 KV cache scales onto the Attention layer's k_scale / v_scale, as vLLM accepts them: compressed-tensors'
+# `self_attn.k_proj.output_scale`, ModelOpt's `self_attn.k_proj.k_scale`, and `self_attn.k_scale` (llm-compressor,
+# HF); `self_attn.attn.k_scale` is the layer's own name.
+KV_SCALE_RENAMES = ((r"\.([kv])_proj\.output_scale$", r".attn.\1_scale"),
+                    (r"\.([kv])_proj\.\1_scale$", r".attn.\1_scale"),
+                    (r"(?<!\.attn)\.([kv])_scale$", r".attn.\1_scale"))
 
 
 # ---- reading the config: every field that changes the math is read here or by the model, or refused ----
@@ -93,7 +99,7 @@ def num_kv_heads(tc: Any) -> int:
 
 class CausalLM(nn.Module):
     """A decoder-only language model: an embedding, `layers`, a final norm and an LM head (possibly tied)."""
-    weight_mapper: ClassVar[WeightMapper] = WeightMapper(packed=LLAMA_PACKED)
+    weight_mapper: ClassVar[WeightMapper] = WeightMapper(renames=KV_SCALE_RENAMES, packed=LLAMA_PACKED)
 
     def __init__(self, config: ModelConfig, quant_config: Any = None) -> None:
         super().__init__()

@@ -65,8 +65,8 @@ class DraftModel:
         return KVCacheConfig(self._groups(block_size), num_blocks=2).bytes_per_block
 
     def _groups(self, block_size: int):
-        mc = self.config.model_config
-        return build_kv_cache_groups([attn.kv_cache_spec(block_size, mc.dtype) for attn in self.model.attention_layers()])
+        dtype = self.config.cache_config.cache_dtype(self.config.model_config.dtype)
+        return build_kv_cache_groups([attn.kv_cache_spec(block_size, dtype) for attn in self.model.attention_layers()])
 
     def bind_kv_cache(self, target: KVCacheConfig, backend: AttentionBackend) -> None:
         """One cache tensor per draft layer, addressed through the target group of the same attention kind."""
@@ -82,7 +82,7 @@ class DraftModel:
                                  "target's block tables)")
             group = target.groups[windows[window]]
             shape = backend.kv_cache_shape(target.num_blocks, group.spec.block_size, attn.num_kv_heads, attn.head_dim)
-            cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
+            cache = torch.zeros(shape, dtype=cc.cache_dtype(mc.dtype), device=self.device)
             attn.kv_cache, attn.group_id, attn.backend = cache, group.group_id, backend
             self.kv_caches.append(cache)
         self.inputs = StepInputs(sc.max_num_seqs, sc.max_num_seqs, -(-mc.max_model_len // cc.block_size),
@@ -107,7 +107,7 @@ class DraftModel:
         params = tuple(dict.fromkeys(attn.params for attn in self.model.attention_layers()))
         sizes = capture_sizes(sc.max_num_seqs) if not self.config.enforce_eager else []
         backend.warm_up(self.device, params, cc.block_size, mc.dtype, sizes, sc.max_num_seqs,
-                        self.config.warmup_workers)
+                        self.config.warmup_workers, cc.cache_dtype(mc.dtype))
 
     def forward_step(self, inputs: StepInputs, num_tokens: int, meta) -> None:
         """The step's tokens through the draft, with the target's inputs and metadata: its KV for them. A graph

@@ -85,7 +85,7 @@ def kv_cache_groups(config: EngineConfig, rank: int = 0, model: torch.nn.Module 
 
 def layer_kv_specs(model: torch.nn.Module, config: EngineConfig) -> list:
     cc, mc = config.cache_config, config.model_config
-    return [attn.kv_cache_spec(cc.block_size, mc.dtype) for attn in model.attention_layers()]
+    return [attn.kv_cache_spec(cc.block_size, cc.cache_dtype(mc.dtype)) for attn in model.attention_layers()]
 
 
 def distinct_attention_params(model: torch.nn.Module) -> tuple:
@@ -179,7 +179,7 @@ class ModelRunner:
         sizes = capture_sizes(sc.max_num_seqs) if not self.config.enforce_eager else []
         start = time.perf_counter()
         compiled = self.backend.warm_up(self.device, distinct_attention_params(self.model), cc.block_size, mc.dtype, sizes,
-                                        sc.max_num_seqs, self.config.warmup_workers)
+                                        sc.max_num_seqs, self.config.warmup_workers, cc.cache_dtype(mc.dtype))
         seconds = time.perf_counter() - start
         if compiled:
             logger.info("kernel warm-up: %d attention variant(s) compiled in %.2f s with up to %d worker(s)",
@@ -198,6 +198,11 @@ class ModelRunner:
 
     def _size_kv_cache(self) -> KVCacheConfig:
         mc, cc = self.config.model_config, self.config.cache_config
+        if cc.kv_cache_dtype != "auto" and self.device.type == "cuda" and \
+                torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError(f"kv_cache_dtype={cc.kv_cache_dtype!r} needs a GPU of compute capability 8.9 or newer "
+                             f"(float8 conversions); {torch.cuda.get_device_name(self.device)} has "
+                             f"{torch.cuda.get_device_capability(self.device)}")
         groups = kv_cache_groups(self.config, self.tp.rank, self.model)
         probe = KVCacheConfig(groups, num_blocks=2)
         bytes_per_block = probe.bytes_per_block + (self.draft.bytes_per_block(cc.block_size) if self.draft else 0)
@@ -218,8 +223,9 @@ class ModelRunner:
                 f"the KV cache budget holds {capacity} tokens ({num_blocks - 1} blocks of {cc.block_size}, "
                 f"{bytes_per_block} bytes each), fewer than max_model_len={mc.max_model_len}; "
                 "raise kv_cache_memory / memory_fraction or lower max_model_len")
-        logger.info("KV cache: %d blocks x %d tokens per group, %d group(s), %.1f MiB", num_blocks - 1,
-                    cc.block_size, len(groups), num_blocks * bytes_per_block / 2**20)
+        logger.info("KV cache: %s, %d tokens (%d blocks x %d) per group, %d group(s), %.1f MiB",
+                    str(cc.cache_dtype(mc.dtype)).removeprefix("torch."), capacity, num_blocks - 1, cc.block_size,
+                    len(groups), num_blocks * bytes_per_block / 2**20)
         return KVCacheConfig(groups, num_blocks)
 
     def _allocate_kv_cache(self) -> None:

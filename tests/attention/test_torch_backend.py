@@ -167,3 +167,34 @@ def test_rotary_bitwise_equal_to_the_prologue_reference(num_tokens, merged):
         got_q, got_k = _rotate(prologue, q, k, meta)
         assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert len(meta.rotary) == 1
+
+
+@pytest.mark.parametrize("requests", [DECODE, EQUAL, MIXED, PREFILL, FRESH],
+                         ids=["decode", "equal", "mixed", "prefill", "fresh"])
+@pytest.mark.parametrize("window,softcap,with_sinks,dtype", [
+    (None, None, False, torch.float32), (7, None, False, torch.float32), (7, 1.5, True, torch.float32),
+    (None, None, False, torch.bfloat16)], ids=["full", "window", "softcap-sinks", "bf16"])
+def test_fp8_cache_matches_reference_over_the_stored_values(requests, window, softcap, with_sinks, dtype):
+    """An FP8 cache (float8_e4m3fn, per-tensor scales, NaN where nobody wrote) on every path (decode plans, fresh
+    runs, per-request prefill, the explicit soft-cap/sink path, half precision): the reference attends to what the
+    cache holds, keys and values quantized then dequantized, this step's own as well; the new tokens are stored as
+    quantize_fp8 gives them."""
+    from surge.kernels.reference import dequantize_fp8, quantize_fp8
+
+    q, k, v, cache, common, slots, tables, keys, values = _batch(requests, 6, 2, 16, window, seed=7)
+    ks, vs = torch.tensor(0.031), torch.tensor(0.29)
+    cache = torch.stack([quantize_fp8(cache[0].to(dtype), ks), quantize_fp8(cache[1].to(dtype), vs)])
+    stored_k = [dequantize_fp8(quantize_fp8(t.to(dtype), ks), ks, torch.float64) for t in keys]
+    stored_v = [dequantize_fp8(quantize_fp8(t.to(dtype), vs), vs, torch.float64) for t in values]
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(3)) if with_sinks else None
+    backend = TorchAttentionBackend()
+    meta = backend.build_metadata(common, slots, tables)
+    layer = AttentionParams(6, 2, 16, 0.25, window, logit_softcap=softcap, has_sinks=with_sinks)
+    got = backend.forward(q.to(dtype), k.to(dtype), v.to(dtype), cache, meta, layer, None, sinks, ks, vs)
+    assert not got.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    ref = _reference(q.to(dtype).double(), stored_k, stored_v, requests, window, 0.25, softcap, sinks)
+    torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
+    for i, (new, scale) in enumerate(((k, ks), (v, vs))):
+        stored = cache[i].view(-1, 2, 16)[slots]
+        assert torch.equal(stored.view(torch.uint8), quantize_fp8(new.to(dtype), scale).view(torch.uint8))

@@ -124,6 +124,22 @@ def test_expired_or_foreign_params_are_computed_not_read(model_dir, prompts, ref
     assert d.engine.kv_connector.stats.external_hit_tokens == 0
 
 
+def test_a_decode_engine_of_another_kv_cache_dtype_says_so_and_computes(model_dir, prompts, caplog):
+    """float32 blocks are no FP8 cache's: the decode side never reads them, names both dtypes, and releases them."""
+    p = LLM(model_dir, kv_transfer_config=_connector("kv_producer", timeout_s=30), **ENGINE)
+    fp8 = {**ENGINE, "kv_cache_dtype": "fp8"}
+    d = LLM(model_dir, kv_transfer_config=_connector("kv_consumer"), **fp8)
+    params = prefill(p, prompts[:2])
+    with caplog.at_level("WARNING", logger="surge.kv_transfer.transfer_connector"):
+        outs = _decode(d, prompts[:2], params)
+    assert "its KV cache dtype 'float32' differs from this engine's 'float8_e4m3fn'" in caplog.text
+    expected = LLM(model_dir, **fp8).generate(prompts[:2], SamplingParams(**GREEDY), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert d.engine.kv_connector.stats.external_hit_tokens == 0
+    step_until(p, lambda: p.engine.kv_cache_manager.usage == 0.0)
+    assert p.engine.kv_connector.stats.failures == 0
+
+
 def test_a_decode_request_aborted_before_its_read_releases_the_blocks(model_dir, prompts):
     p = LLM(model_dir, kv_transfer_config=_connector("kv_producer", timeout_s=30), **ENGINE)
     d = LLM(model_dir, kv_transfer_config=_connector("kv_consumer"), **ENGINE)

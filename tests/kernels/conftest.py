@@ -54,6 +54,53 @@ def _patch_interpreter_bf16() -> bool:
 _BF16_DOT = torch.cuda.is_available() or _patch_interpreter_bf16()
 
 
+def _patch_interpreter_fp8() -> bool:
+    """Make Triton's interpreter convert to and from float8e4nv as the GPU does. It keeps fp8 as raw uint8 and its
+    float -> fp8 rounding drops the carry when the rounded mantissa overflows (125.8 became 64, not 128); the GPU
+    rounds to nearest even (cvt.rn.satfinite). Conversions of float8e4nv go through torch's float8_e4m3fn instead,
+    which rounds so (the kernels saturate before converting). Returns False when the interpreter moved."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    handle = getattr(interpreter, "TensorHandle", None)
+    if builder is None or handle is None or not hasattr(builder, "create_fp_to_fp"):
+        return False
+    if getattr(builder, "_surge_fp8", False):
+        return True
+    fp_to_fp = builder.create_fp_to_fp
+    torch_of = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+                tl.float8e4nv: torch.float8_e4m3fn}
+    bits = {torch.bfloat16: (np.int16, torch.int16, np.uint16), torch.float8_e4m3fn: (np.uint8, torch.uint8, np.uint8)}
+
+    def as_torch(data, dtype):  # bf16 and fp8 are held as raw unsigned integers
+        if dtype not in bits:
+            return torch.from_numpy(np.ascontiguousarray(data))
+        np_int, torch_int, _ = bits[dtype]
+        return torch.from_numpy(np.ascontiguousarray(data).view(np_int)).view(dtype)
+
+    def as_raw(t):
+        if t.dtype not in bits:
+            return t.numpy()
+        _, torch_int, np_raw = bits[t.dtype]
+        return t.view(torch_int).numpy().view(np_raw)
+
+    def convert(self, src, dst_type, rounding_mode):
+        src_t, dst_t = torch_of.get(src.dtype.scalar), torch_of.get(dst_type.scalar)
+        if tl.float8e4nv not in (src.dtype.scalar, dst_type.scalar) or src_t is None or dst_t is None:
+            return fp_to_fp(self, src, dst_type, rounding_mode)
+        return handle(as_raw(as_torch(src.data, src_t).to(dst_t)), dst_type.scalar)
+
+    builder.create_fp_to_fp, builder._surge_fp8 = convert, True
+    return True
+
+
+_FP8 = torch.cuda.is_available() or _patch_interpreter_fp8()
+
+
 def _patch_interpreter_device_calls() -> bool:
     """Speed only. Triton's interpreter re-patches triton.language (inspect.getmembers over its modules) at every
     call of one @triton.jit function from another: a third of an interpreted kernel's time. Within one launch only the
@@ -104,6 +151,12 @@ if not torch.cuda.is_available():
 def require_bf16_dot() -> None:
     if not _BF16_DOT:
         pytest.skip("this Triton interpreter cannot run bf16 tl.dot")
+
+
+@pytest.fixture
+def require_fp8() -> None:
+    if not _FP8:
+        pytest.skip("this Triton interpreter cannot convert float8e4nv as the GPU does")
 
 
 @pytest.fixture

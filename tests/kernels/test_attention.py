@@ -383,22 +383,126 @@ def _num_compiled(kernel) -> int:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles for the GPU")
 @pytest.mark.parametrize("softcap,with_sinks", [(None, False), (SOFTCAP, False), (None, True), (SOFTCAP, True)])
 @pytest.mark.parametrize("shape", ["decode-split", "few-token-split", "mixed"])
-def test_warm_up_compiles_what_the_launch_runs(shape, softcap, with_sinks):
-    """compile() on tiny tensors builds the very variants (both kernels under split-KV) a real launch then uses."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+def test_warm_up_compiles_what_the_launch_runs(shape, softcap, with_sinks, fp8):
+    """compile() on tiny tensors builds the very variants (both kernels under split-KV) a real launch then uses,
+    over a cache of the model's dtype or an FP8 one."""
     from surge.attention.triton_backend import TritonAttentionBackend, warm_up_keys
     from surge.kernels.attention import PagedAttention, _merge_splits_kernel, _paged_attention_kernel
 
     device = torch.device("cuda")
     requests, num_sms, _ = SHAPES[shape]
     q, k, v, cache, meta, _, _ = _batch(requests, 16, 8, 2, 32, torch.bfloat16, device, seed=9)
+    scales = {}
+    if fp8:
+        cache = torch.nan_to_num(cache, nan=0.0).to(torch.float8_e4m3fn)
+        scales = {"k_scale": torch.tensor(0.5, device=device), "v_scale": torch.tensor(0.25, device=device)}
     sinks = _sinks(8).to(device) if with_sinks else None
     layer = params(q, cache, 9, 32 ** -0.5, softcap, sinks)
     backend = TritonAttentionBackend()
     kernel = backend._kernels[q.device] = PagedAttention(q.device, num_sms)  # cuda:0, as forward looks it up
     decode = all(n == 1 for _, n in requests)
-    keys = warm_up_keys(kernel, (layer,), 16, torch.bfloat16, [len(requests)] if decode else [], len(requests))
+    keys = warm_up_keys(kernel, (layer,), 16, torch.bfloat16, [len(requests)] if decode else [], len(requests),
+                        cache.dtype)
     kernel.compile_many(keys)
     before = _num_compiled(_paged_attention_kernel), _num_compiled(_merge_splits_kernel)
-    backend.forward(q, k, v, cache, meta, layer, sinks=sinks)
+    backend.forward(q, k, v, cache, meta, layer, sinks=sinks, **scales)
     torch.cuda.synchronize()
     assert (_num_compiled(_paged_attention_kernel), _num_compiled(_merge_splits_kernel)) == before
+
+
+# ---- FP8 KV cache: float8_e4m3fn keys and values with per-tensor scales ----
+K_SCALE, V_SCALE = 0.043, 0.37  # not powers of two: the scale's own rounding counts
+
+
+def _fp8_batch(requests, dtype, device, seed, heads=(8, 2)):
+    """_batch with an FP8 cache (the context quantized as the write kernels store it, NaN elsewhere), the same cache
+    with zeros for NaN (the torch backend reads masked slots), and the reference's keys and values as an FP8 cache
+    holds them: quantized, then dequantized."""
+    from surge.kernels.reference import dequantize_fp8, quantize_fp8
+
+    q, k, v, cache, meta, full_k, full_v = _batch(requests, 16, *heads, 32, dtype, device, seed)
+    scales = torch.tensor(K_SCALE, device=device), torch.tensor(V_SCALE, device=device)
+    cache8 = torch.stack([quantize_fp8(cache[i], scales[i]) for i in (0, 1)])
+    zeroed8 = torch.stack([quantize_fp8(torch.nan_to_num(cache[i], nan=0.0), scales[i]) for i in (0, 1)])
+    stored_k = [dequantize_fp8(quantize_fp8(t, scales[0].cpu()), scales[0].cpu(), torch.float64) for t in full_k]
+    stored_v = [dequantize_fp8(quantize_fp8(t, scales[1].cpu()), scales[1].cpu(), torch.float64) for t in full_v]
+    return q, k, v, cache8, zeroed8, meta, stored_k, stored_v, scales
+
+
+FP8_SHAPES = {**SHAPES, "few-token-edge": ([(20, 30), (0, 33), (7, 1)], 132, 16),  # FEW_TOKENS: split
+              "few-token-edge+1": ([(20, 30), (0, 34), (7, 1)], 132, 1)}  # one more token: one launch
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("shape", list(FP8_SHAPES))
+def test_fp8_kv_attention_matches_reference(shape, window, device, require_fp8):
+    """Every launch shape (decode with and without split-KV, few-token split at FEW_TOKENS and one past it, a general
+    mixed batch) over an FP8 cache, GQA 8:2: equal to the dense reference over the stored (quantize-dequantized)
+    keys and values, to the float32 tolerance (the scales folded into the softmax scale and the output are the only
+    other change), and to the torch backend's FP8 path; this step's keys and values are stored exactly as
+    quantize_fp8 gives them."""
+    from surge.kernels.attention import launch_policy
+    from surge.kernels.reference import quantize_fp8
+
+    requests, num_sms, expected_splits = FP8_SHAPES[shape]
+    q, k, v, cache, zeroed, meta, stored_k, stored_v, (ks, vs) = _fp8_batch(requests, torch.float32, device, 12)
+    decode = all(n == 1 for _, n in requests)
+    assert launch_policy(decode_only=decode, num_seqs=len(requests), num_q_heads=8, num_kv_heads=2, head_dim=32,
+                         dtype=torch.float32, num_sms=num_sms, num_tokens=meta.num_tokens).num_splits == expected_splits
+    layer = params(q, cache, window, 32 ** -0.5)
+    before = cache.clone()
+    expected = TorchAttentionBackend().forward(q, k, v, zeroed, meta, layer, k_scale=ks, v_scale=vs)
+    from surge.attention.triton_backend import TritonAttentionBackend
+    from surge.kernels.attention import PagedAttention
+    backend = TritonAttentionBackend()
+    backend._kernels[q.device] = PagedAttention(q.device, num_sms)
+    got = backend.forward(q, k, v, cache, meta, layer, k_scale=ks, v_scale=vs)
+    assert not got.isnan().any()
+    written = (cache.view(torch.uint8) != before.view(torch.uint8)).any(-1).any(-1).view(2, -1)  # [K/V, slot]
+    slots = meta.slot_mapping.cpu()
+    assert written[:, slots].all() and int(written.sum()) == 2 * len(slots)
+    for i, (new, scale) in enumerate(((k, ks), (v, vs))):
+        stored = cache[i].view(-1, 2, 32)[meta.slot_mapping]
+        assert torch.equal(stored.view(torch.uint8).cpu(), quantize_fp8(new, scale).view(torch.uint8).cpu())
+    dense = _dense_reference(q, stored_k, stored_v, requests, window, 32 ** -0.5)
+    torch.testing.assert_close(got.double().cpu(), dense, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got.cpu(), expected, atol=4e-5, rtol=4e-5)
+
+
+@pytest.mark.parametrize("shape", ["decode-split", "mixed"])
+def test_fp8_kv_attention_bf16(shape, device, request, require_fp8):
+    """bfloat16 queries over an FP8 cache (its values widened to bf16 exactly, the dot as plain bf16 attention's):
+    within the bf16 tolerance of the reference, with a sliding window and no GQA."""
+    request.getfixturevalue("require_bf16_dot")
+    requests, num_sms, _ = FP8_SHAPES[shape]
+    q, k, v, cache, _, meta, stored_k, stored_v, (ks, vs) = _fp8_batch(requests, torch.bfloat16, device, 13,
+                                                                        heads=(2, 2))
+    from surge.attention.triton_backend import TritonAttentionBackend
+    from surge.kernels.attention import PagedAttention
+    backend = TritonAttentionBackend()
+    backend._kernels[q.device] = PagedAttention(q.device, num_sms)
+    got = backend.forward(q, k, v, cache, meta, params(q, cache, 9, 32 ** -0.5), k_scale=ks, v_scale=vs)
+    dense = _dense_reference(q, stored_k, stored_v, requests, 9, 32 ** -0.5)
+    torch.testing.assert_close(got.double().cpu(), dense, atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_kv_write_quantizes_and_saturates(device, require_fp8):
+    """write_kv_cache into an FP8 cache stores quantize_fp8's very bytes: x / scale, past +-448 saturated (never
+    inf or NaN), negative slots skipped."""
+    from surge.kernels.kv_cache import write_kv_cache
+    from surge.kernels.reference import FP8_MAX, quantize_fp8
+
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 4, 2, 16, generator=gen) * 8
+    kv[0, 0, 0, :3] = torch.tensor([1e4, -1e4, 448 * K_SCALE])  # saturated both ways, and exactly the largest
+    scales = torch.tensor(K_SCALE), torch.tensor(V_SCALE)
+    cache = torch.zeros(2, 3, 4, 2, 16, dtype=torch.float8_e4m3fn, device=device)
+    slots = torch.tensor([5, -1, 11, 0])
+    write_kv_cache(kv[0].to(device), kv[1].to(device), cache[0], cache[1], slots.to(device),
+                   scales[0].to(device), scales[1].to(device))
+    expected = torch.zeros(2, 12, 2, 16, dtype=torch.float8_e4m3fn)
+    for i in (0, 1):
+        expected[i, slots[slots >= 0]] = quantize_fp8(kv[i, slots >= 0], scales[i])
+    assert torch.equal(cache.view(2, 12, 2, 16).view(torch.uint8).cpu(), expected.view(torch.uint8))
+    assert cache.float().abs().max() == FP8_MAX and cache[0, 1, 1, 0, :2].float().tolist() == [FP8_MAX, -FP8_MAX]

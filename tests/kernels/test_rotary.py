@@ -251,3 +251,43 @@ def test_triton_backend_fuses_partial_and_interleaved_prologues(heads, head_dim,
     got_out, got_cache = run(TritonAttentionBackend(), device)
     torch.testing.assert_close(got_cache, expected_cache, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_out, expected_out, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("heads,head_dim,rotary_dim,interleaved", [((4, 2), 16, 16, False), LAYOUTS[1]],
+                         ids=["full", "partial"])
+def test_rotary_write_kv_into_fp8_cache_quantizes_what_it_would_store(heads, head_dim, rotary_dim, interleaved,
+                                                                       qk_norm, dtype, device, require_fp8):
+    """Into an FP8 cache the fused prologue stores quantize_fp8 of exactly what it writes into a cache of the model's
+    dtype (tested above against the unfused layers), bit for bit: k normed, rotated and rounded to the dtype, then
+    x / k_scale saturated; v / v_scale. q is rotated in place as before."""
+    from surge.kernels.reference import quantize_fp8
+    from surge.kernels.rotary import rotary_write_kv
+
+    num_q, num_k = heads
+    cos, sin = (t.to(device) for t in _tables(head_dim, rotary_dim, interleaved))
+    gen = torch.Generator().manual_seed(5)
+    norms = ((torch.rand(head_dim, generator=gen) + 0.5).to(dtype).to(device) for _ in range(2)) if qk_norm else None
+    q_w, k_w = norms if qk_norm else (None, None)
+    T = 6
+    qkv = (3 * torch.randn(T, (num_q + 2 * num_k) * head_dim, generator=gen)).to(dtype).to(device)
+    qkv[0, num_q * head_dim] = 1e4  # a value far past 448 * k_scale (position 0: not rotated): saturated, unless normed
+    positions = torch.tensor([0, 1, 2, 17, 40, 63], device=device)
+    slots = torch.tensor([0, 5, 6, -1, 19, 13], device=device)
+    scales = torch.tensor(0.029, device=device), torch.tensor(0.41, device=device)
+    caches = []
+    for cache_dtype in (dtype, torch.float8_e4m3fn):
+        x = qkv.clone()
+        q = x[:, :num_q * head_dim].view(T, num_q, head_dim)
+        k = x[:, num_q * head_dim:(num_q + num_k) * head_dim].view(T, num_k, head_dim)
+        v = x[:, (num_q + num_k) * head_dim:].view(T, num_k, head_dim)
+        cache = torch.zeros(2, 5, 4, num_k, head_dim, dtype=cache_dtype, device=device)
+        rotary_write_kv(positions, q, k, v, cos, sin, cache[0], cache[1], slots, q_w, k_w, 1e-6, interleaved,
+                        *scales)
+        caches.append((cache, q))
+    (plain, q_plain), (fp8, q_fp8) = caches
+    assert torch.equal(q_fp8, q_plain)
+    for i in (0, 1):
+        assert torch.equal(fp8[i].view(torch.uint8).cpu(), quantize_fp8(plain[i], scales[i]).view(torch.uint8).cpu())
+    assert (fp8[0].float().abs().max() == 448.0) != qk_norm

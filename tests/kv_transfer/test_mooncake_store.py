@@ -100,15 +100,16 @@ def test_new_engine_process_loads_the_prefix_from_the_store(default_model_dir, s
 
 
 def test_another_layout_gets_no_hits(tiny_llama, store):
-    """dtype and block size are part of every key: an engine of another layout finds nothing of A's, while an
-    engine of A's layout finds it all (through a staging buffer of 5 blocks: a transfer in several chunks)."""
+    """dtype, KV cache dtype and block size are part of every key: an engine of another layout finds nothing of A's,
+    while an engine of A's layout finds it all (through a staging buffer of 5 blocks: a transfer in several
+    chunks)."""
     prompts = _prompts()
     config = store.connector_config()
     small_staging = store.connector_config(staging_buffer_size=5 * 4096)  # a tiny-llama block: 4 KiB, 4 layers
     a = LLM(tiny_llama, kv_transfer_config=small_staging, **ENGINE)
     a.generate(prompts[:1], GREEDY, use_tqdm=False)
     assert a.engine.kv_connector.stats.saved_bytes == (PREFIX_LEN + 3 + 7) // 4 * 4096  # every complete block
-    for layout in ({"dtype": "bfloat16"}, {"block_size": 8}):
+    for layout in ({"dtype": "bfloat16"}, {"block_size": 8}, {"kv_cache_dtype": "fp8"}):
         llm = LLM(tiny_llama, kv_transfer_config=config, **{**ENGINE, **layout})
         outs = llm.generate(prompts[1:2], GREEDY, use_tqdm=False)
         assert llm.engine.kv_connector.stats.external_hit_tokens == 0, layout
@@ -119,6 +120,18 @@ def test_another_layout_gets_no_hits(tiny_llama, store):
     assert outs[0].num_cached_tokens >= 0.9 * PREFIX_LEN
     assert same.engine.kv_connector.stats.loaded_bytes == PREFIX_LEN // 4 * 4096
     assert _tokens(outs) == _reference(tiny_llama, prompts[1:2])
+
+
+def test_fp8_kv_blocks_outlive_their_engine(tiny_llama, store):
+    """An FP8 KV cache's blocks (float8 bytes) saved by one engine serve another of its layout, token for token."""
+    prompts, fp8 = _prompts(), {"kv_cache_dtype": "fp8"}
+    a = LLM(tiny_llama, kv_transfer_config=store.connector_config(), **ENGINE, **fp8)
+    a.generate(prompts[:1], GREEDY, use_tqdm=False)
+    assert a.engine.kv_connector.stats.saved_bytes == (PREFIX_LEN + 3 + 7) // 4 * 1024  # a quarter of float32's
+    b = LLM(tiny_llama, kv_transfer_config=store.connector_config(), **ENGINE, **fp8)
+    outs = b.generate(prompts[1:2], GREEDY, use_tqdm=False)
+    assert outs[0].num_cached_tokens >= 0.9 * PREFIX_LEN and b.engine.kv_connector.stats.failures == 0
+    assert _tokens(outs) == _reference(tiny_llama, prompts[1:2], **fp8)
 
 
 def _drive(engine, requests: dict[str, list[int]], params: dict[str, SamplingParams], on_step,

@@ -39,11 +39,13 @@ def _offload(asynchronous: bool = False, **extra) -> dict:
             "kv_connector_extra_config": {"cpu_gib": 0.01, "async_load": asynchronous, **extra}}
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_evicted_prefix_comes_back_from_host_memory(model_dir, asynchronous):
+@pytest.mark.parametrize("asynchronous,kv_cache_dtype", [(False, "auto"), (True, "auto"), (False, "fp8")],
+                         ids=["sync", "async", "sync-fp8"])
+def test_evicted_prefix_comes_back_from_host_memory(model_dir, asynchronous, kv_cache_dtype):
     prompts = _prompts()
-    ref = _tokens(LLM(model_dir, **ENGINE).generate(prompts, GREEDY, use_tqdm=False))
-    llm = LLM(model_dir, kv_transfer_config=_offload(asynchronous), **ENGINE)
+    engine = {**ENGINE, "kv_cache_dtype": kv_cache_dtype}
+    ref = _tokens(LLM(model_dir, **engine).generate(prompts, GREEDY, use_tqdm=False))
+    llm = LLM(model_dir, kv_transfer_config=_offload(asynchronous), **engine)
     assert _tokens(llm.generate(prompts[:1], GREEDY, use_tqdm=False)) == ref[:1]
     assert llm.engine.kv_cache_manager.usage == 0.0  # the save is done: the held blocks went back
     assert llm.reset_prefix_cache()  # the KV cache forgets every prefix: only the offload tier has it

@@ -1,5 +1,8 @@
 """Attention layer: one decoder layer's attention parameters (bound at construction), its KV cache spec, and, once
-the runner allocates the cache, its cache tensor and group; forward calls the backend."""
+the runner allocates the cache, its cache tensor and group; forward calls the backend.
+
+An FP8 KV cache reads the layer's per-tensor `k_scale` and `v_scale` (vLLM's names: `...self_attn.attn.k_scale`):
+float32 buffers, 1.0 unless the checkpoint has them; a cache of the model's dtype ignores them, as vLLM does."""
 from __future__ import annotations
 
 import torch
@@ -19,6 +22,9 @@ class Attention(nn.Module):
                                       logit_softcap, has_sinks)
         self.sinks = (nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False) if has_sinks
                       else None)
+        for name in ("k_scale", "v_scale"):  # optional checkpoint tensors: the loader fills them when present
+            self.register_buffer(name, torch.ones((), dtype=torch.float32))
+            getattr(self, name).weight_loader = load_kv_scale
         # Bound by the model runner once the KV cache is allocated.
         self.kv_cache: torch.Tensor | None = None
         self.group_id = 0
@@ -54,4 +60,16 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: list[AttentionMetadata],
                 prologue: Prologue | None = None) -> torch.Tensor:
         """meta: one per KV cache group; this layer reads its own group's."""
-        return self.backend.forward(q, k, v, self.kv_cache, meta[self.group_id], self.params, prologue, self.sinks)
+        return self.backend.forward(q, k, v, self.kv_cache, meta[self.group_id], self.params, prologue, self.sinks,
+                                    self.k_scale, self.v_scale)
+
+
+def load_kv_scale(buffer: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+    """A checkpoint's k_scale / v_scale: one positive value for the whole tensor (every rank holds it)."""
+    if loaded.numel() != 1:
+        raise ValueError(f"a KV cache scale of shape {tuple(loaded.shape)}: only per-tensor scales (one value) are "
+                         "supported")
+    value = float(loaded.float().reshape(()))
+    if not value > 0:
+        raise ValueError(f"a KV cache scale of {value}: it must be positive")
+    buffer.fill_(value)

@@ -27,8 +27,11 @@ def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
 
 @torch.no_grad()
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-    """Every parameter must receive a tensor; checkpoint tensors that match no parameter are an error."""
+    """Every parameter must receive a tensor; checkpoint tensors that match no parameter are an error. Buffers with a
+    weight loader (an attention layer's KV cache scales) are filled when the checkpoint has them."""
     params = dict(model.named_parameters())
+    required = set(params)
+    params.update((name, b) for name, b in model.named_buffers() if hasattr(b, "weight_loader"))
     loaded: set[str] = set()
     skip = tuple("." + s for s in getattr(model, "quant_skip", ()))  # what a quantization's layers do not read
     for name, tensor in weights:
@@ -55,7 +58,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             raise ValueError(f"{source}: tensor {name!r}: {e}") from None
         loaded.add(param_name)
     drop_packed_weights(model)  # the CPU GEMM's packed copies predate these values
-    missing = sorted(name for name in set(params) - loaded  # a parameter another one's loader writes is not missing
+    missing = sorted(name for name in required - loaded  # a parameter another one's loader writes is not missing
                      if f"{name.rsplit('.', 1)[0]}.{getattr(params[name], 'loaded_with', None)}" not in loaded)
     if missing:
         raise ValueError(f"{source}: checkpoint lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
