@@ -54,6 +54,60 @@ def _patch_interpreter_bf16() -> bool:
 _BF16_DOT = torch.cuda.is_available() or _patch_interpreter_bf16()
 
 
+def _patch_interpreter_fp8() -> bool:
+    """Make Triton's interpreter convert float8 as the GPU does. Its bit-twiddling float conversion rounds half up and
+    drops the carry when rounding overflows the mantissa (1.98 became 1.0 in e4m3); convert through torch instead
+    (round to nearest even), saturating to the largest finite value as the GPU's cvt.rn.satfinite does, and widen
+    fp8 dot operands exactly to float32. Returns False when the interpreter's internals moved."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    handle = getattr(interpreter, "TensorHandle", None)
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if builder is None or handle is None or np_dtype is None or not all(
+            hasattr(builder, m) for m in ("create_fp_to_fp", "create_dot")):
+        return False
+    if getattr(builder, "_surge_fp8", False):
+        return True
+    fp8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+    wide = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}
+    fp_to_fp, create_dot = builder.create_fp_to_fp, builder.create_dot
+
+    def as_torch(t):
+        scalar = t.dtype.scalar
+        data = torch.from_numpy(np.ascontiguousarray(t.data))
+        return data.view(fp8[scalar]) if scalar in fp8 else data.view(wide[scalar])
+
+    def convert(self, src, dst_type, rounding_mode):
+        src_t, dst_t = src.dtype.scalar, dst_type.scalar
+        if (src_t in fp8 and dst_t in wide) or (src_t in wide and dst_t in fp8):
+            value = as_torch(src)
+            if dst_t in fp8:
+                big = torch.finfo(fp8[dst_t]).max
+                value = value.float().clamp(-big, big)  # NaN stays NaN
+            out = value.to(fp8.get(dst_t) or wide[dst_t])
+            return handle(out.view(torch.uint8 if dst_t in fp8 else out.dtype).numpy().view(np_dtype(dst_type)),
+                          dst_t)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar in fp8 or b.dtype.scalar in fp8:
+            a32, b32 = as_torch(a).float().numpy(), as_torch(b).float().numpy()
+            return handle(np.matmul(a32, b32, dtype=d.data.dtype) + d.data, d.dtype.scalar)
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    builder.create_fp_to_fp, builder.create_dot, builder._surge_fp8 = convert, dot, True
+    return True
+
+
+if not torch.cuda.is_available():
+    _patch_interpreter_fp8()
+
+
 def _patch_interpreter_device_calls() -> bool:
     """Speed only. Triton's interpreter re-patches triton.language (inspect.getmembers over its modules) at every
     call of one @triton.jit function from another: a third of an interpreted kernel's time. Within one launch only the
