@@ -49,6 +49,17 @@ def fp8_quant_per_token_group(x: torch.Tensor, group_size: int = 128) -> tuple[t
     return q.contiguous(), scale.view(m, groups).t().contiguous().t()
 
 
+def fp8_fake_quant(x: torch.Tensor, scheme: str, static_scale: torch.Tensor | None = None,
+                   group_size: int = 128) -> torch.Tensor:
+    """x [M, K] quantized to fp8 and back (float32), as a quantized GEMM sees its activations. scheme: "token"
+    (dynamic per token; a static_scale makes it per tensor) or "group" (1 x group_size)."""
+    if scheme == "group":
+        q, scale = fp8_quant_per_token_group(x, group_size)
+        return dequantize_fp8(q, scale, block=(1, group_size))
+    q, scale = fp8_quant_per_token(x) if static_scale is None else fp8_quant_per_tensor(x, static_scale)
+    return dequantize_fp8(q, scale)
+
+
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q fp8 [..., R, C] times its scale, rounded once to dtype. scale broadcasts against q ([1], [R, 1], [1, C],
