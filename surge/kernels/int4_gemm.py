@@ -3,9 +3,10 @@ canonical packed layout of surge/kernels/int_packing.py, tl.dot in the activatio
 
 Layout: weight_packed int32 [N, K * bits / 32] (packed along K, low bits first), weight_scale [N, K / group], optional
 zero_point uint8 [N, K / group] (unsigned; None is symmetric, 2^(bits-1)), optional input_perm int32 [K] (GPTQ
-act-order: x's columns gathered in the K loop). Groups of 32, 64, 128 ... or channel-wise (group = K). Each program
-dequantizes a [BLOCK_K, BLOCK_N] tile: word k // (32 / bits) of column n, shifted, minus the zero, times the scale,
-rounded to x's dtype, i.e. exactly quant_reference.dequantize_packed's weight; every tile lies in one group.
+act-order: x's columns gathered in the K loop). Groups of 32, 64, 128 ... or channel-wise (group = K). Each K step
+loads a [BLOCK_N, BLOCK_K * bits / 32] tile of words (contiguous along K: vector loads, each byte once), unpacks it by
+shifts into [BLOCK_N, BLOCK_K], subtracts the zero and multiplies by the scale (one per column: every tile lies in one
+group), rounded to x's dtype: exactly quant_reference.dequantize_packed's weight, fed transposed to tl.dot.
 
 Launch policy (launch_policy): up to SPLIT_K_MAX_M rows (decode: memory-bound, few output tiles) split K across
 programs so that about two waves of programs stream the weight, each writing a float32 partial that one more launch
@@ -68,13 +69,15 @@ def _int_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, perm_ptr, bias_ptr, out_
                      DOT_PRECISION: tl.constexpr):
     """out[split, m, n] = sum over this split's k of x[m, perm[k]] * W[n, k] (+ bias[n], unsplit only)."""
     PER_WORD: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PER_WORD
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    shifts = ((ks % PER_WORD) * BITS)[:, None]
+    word_ids = tl.arange(0, WORDS)
+    shifts = tl.arange(0, PER_WORD) * BITS
     k_begin = split * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -84,17 +87,20 @@ def _int_gemm_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, perm_ptr, bias_ptr, out_
         src = tl.load(perm_ptr + k, mask=k_ok, other=0) if HAS_PERM else k
         a = tl.load(x_ptr + rows64[:, None] * stride_xm + src[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        words = tl.load(w_ptr + cols64[None, :] * stride_wn + (k // PER_WORD)[:, None],
-                        mask=k_ok[:, None] & col_ok[None, :], other=0)  # [BLOCK_K, BLOCK_N], each word PER_WORD times
-        u = (words >> shifts) & ((1 << BITS) - 1)
+        # The words of the tile, contiguous along K (K % PER_WORD == 0, so a word is wholly in or out), unpacked to
+        # [BLOCK_N, BLOCK_K]: value k of the tile is bits (k % PER_WORD) * BITS of word k // PER_WORD.
+        word = k0 // PER_WORD + word_ids
+        words = tl.load(w_ptr + cols64[:, None] * stride_wn + word[None, :],
+                        mask=col_ok[:, None] & (word < k_end // PER_WORD)[None, :], other=0)
+        u = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (BLOCK_N, BLOCK_K))
         group = k0 // GROUP
         scale = tl.load(scale_ptr + cols64 * stride_sn + group, mask=col_ok, other=0.0).to(tl.float32)
         if HAS_ZERO:
-            zero = tl.load(zero_ptr + cols64 * stride_zn + group, mask=col_ok, other=0).to(tl.int32)[None, :]
+            zero = tl.load(zero_ptr + cols64 * stride_zn + group, mask=col_ok, other=0).to(tl.int32)[:, None]
         else:
             zero = 1 << (BITS - 1)
-        w = ((u - zero).to(tl.float32) * scale[None, :]).to(x_ptr.dtype.element_ty)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        w = ((u - zero).to(tl.float32) * scale[:, None]).to(x_ptr.dtype.element_ty)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + split * stride_split + rows64[:, None] * stride_om + cols[None, :]
