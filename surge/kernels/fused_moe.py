@@ -74,20 +74,29 @@ E2M1_QUARTERS = sum(q << (5 * i) for i, q in enumerate((0, 2, 4, 6, 8, 12, 16, 2
 
 
 @triton.jit
-def _weight_tile(w_rows, scale_rows, k, mask, QUANT: tl.constexpr, E2M1_TABLE: tl.constexpr):
-    """The [BLOCK_K, BLOCK_N] tile W[n, k] (transposed) of one expert's rows n: w_rows and scale_rows point at each
-    row's start. mxfp4 rows hold bytes (value k in byte k // 2, the low nibble first) and one e8m0 scale per 32
-    values; they come back as bf16 (exact: an e2m1 value times a power of two). Other variants load as stored."""
+def _weight_tile(w_rows, scale_rows, k0, K, col_ok, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
+                 E2M1_TABLE: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile W[n, k0 + i] (transposed) of one expert's rows n: w_rows and scale_rows point at
+    each row's start. mxfp4 rows hold bytes (value k in byte k // 2, the low nibble first) and one e8m0 scale per 32
+    values (K and BLOCK_K multiples of 32): the tile's bytes and scales load contiguous along K, unpack by shifts and
+    reshapes, and come back as bf16 (exact: an e2m1 value times a power of two). Other variants load as stored."""
     if QUANT == "mxfp4":
-        byte = tl.load(w_rows[None, :] + (k // 2)[:, None], mask=mask, other=0).to(tl.int32)
-        code = (byte >> ((k % 2) * 4)[:, None]) & 0xF
+        BLOCK_N: tl.constexpr = w_rows.shape[0]
+        byte_ids = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(w_rows[:, None] + byte_ids[None, :], mask=col_ok[:, None] & (byte_ids < K // 2)[None, :],
+                       other=0).to(tl.int32)
+        code = (byte[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K / 2, 2]
         quarters = (E2M1_TABLE >> ((code & 7) * 5).to(tl.int64)) & 31
         value = tl.where(code >= 8, -quarters.to(tl.float32), quarters.to(tl.float32)) * 0.25
-        exponent = tl.load(scale_rows[None, :] + (k // 32)[:, None], mask=mask, other=127).to(tl.int32)
+        block_ids = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        exponent = tl.load(scale_rows[:, None] + block_ids[None, :],
+                           mask=col_ok[:, None] & (block_ids < K // 32)[None, :], other=127).to(tl.int32)
         scale = (exponent << 23).to(tl.float32, bitcast=True)  # 2^(e - 127); e = 0 (2^-127) reads as 0
-        tile = (value * scale).to(tl.bfloat16)
+        value = tl.reshape(value, (BLOCK_N, BLOCK_K // 32, 32)) * scale[:, :, None]
+        tile = tl.trans(tl.reshape(value, (BLOCK_N, BLOCK_K)).to(tl.bfloat16))
     else:
-        tile = tl.load(w_rows[None, :] + k[:, None], mask=mask, other=0.0)
+        k = k0 + tl.arange(0, BLOCK_K)
+        tile = tl.load(w_rows[None, :] + k[:, None], mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
     return tile
 
 
@@ -130,9 +139,8 @@ def _gate_up_act_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_pt
             k = k0 + ks
             k_ok = k < K
             a = tl.load(a_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w_mask = k_ok[:, None] & col_ok[None, :]
-            g = _weight_tile(g_rows, g_scale_rows, k, w_mask, QUANT, E2M1_TABLE)
-            u = _weight_tile(u_rows, u_scale_rows, k, w_mask, QUANT, E2M1_TABLE)
+            g = _weight_tile(g_rows, g_scale_rows, k0, K, col_ok, BLOCK_K, QUANT, E2M1_TABLE)
+            u = _weight_tile(u_rows, u_scale_rows, k0, K, col_ok, BLOCK_K, QUANT, E2M1_TABLE)
             if QUANT == "fp8_block":
                 a_scale = tl.load(x_scale_ptr + token * stride_xsm + (k0 // QUANT_BLOCK) * stride_xsk, mask=row_ok,
                                   other=0.0)
@@ -193,7 +201,7 @@ def _down_weighted_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_
             k = k0 + ks
             k_ok = k < K
             a = tl.load(a_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = _weight_tile(w_rows, scale_rows, k, k_ok[:, None] & col_ok[None, :], QUANT, E2M1_TABLE)
+            w = _weight_tile(w_rows, scale_rows, k0, K, col_ok, BLOCK_K, QUANT, E2M1_TABLE)
             if QUANT == "fp8_block":
                 a_scale = tl.load(a_scale_ptr + pair64 * stride_asm + (k0 // QUANT_BLOCK) * stride_ask, mask=row_ok,
                                   other=0.0)
@@ -363,6 +371,9 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         raise ValueError(f"mxfp4 experts take bf16 activations, got {x.dtype}")
     if method == "fp8_block" and (launch.gate_up.block_k > FP8_BLOCK or launch.down.block_k > FP8_BLOCK):
         raise ValueError(f"fp8_block needs K tiles within a {FP8_BLOCK}-column block, got {launch}")
+    if method == "mxfp4" and (hidden % 32 or inter % 32 or min(launch.gate_up.block_k, launch.down.block_k) < 32):
+        raise ValueError(f"mxfp4 needs hidden ({hidden}) and intermediate ({inter}) sizes and K tiles that are "
+                         f"multiples of 32, got {launch}")
     x = x.contiguous()
     num_pairs = num_tokens * top_k
     num_blocks = block_expert.numel()
