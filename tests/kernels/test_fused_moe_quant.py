@@ -34,6 +34,9 @@ def _quantize_blocks(w, block=128):
 
 
 def _check(got, expected):
+    """bf16 tolerance: each pair's weighted row is rounded to bf16 before the combine (the reference keeps float32),
+    and fp8 codes flip where float32 sums in another order cross a rounding boundary. Measured: the worst element
+    uses at most 30% of it (MXFP4), about 10% (fp8)."""
     assert got.dtype == BF16
     torch.testing.assert_close(got.float().cpu(), expected.float(), atol=2e-2, rtol=2e-2)
 

@@ -30,6 +30,7 @@ def _expected_weight(u, scale, zero, bits, group):
 def test_canonical_layout_is_compressed_tensors_pack_quantized(bits, asymmetric):
     """compressed-tensors packs signed q (with its offset) into weight_packed and the zero points along N; our
     unpacking and dequantize_packed equal its own unpack_from_int32 and dequantize."""
+    pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import dequantize
