@@ -15,6 +15,7 @@ sums in order (deterministic) with the bias; more rows (prefill) take square til
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -59,6 +60,11 @@ def launch_policy(m: int, n: int, k: int, group_size: int, num_sms: int = H200_S
     block_m = 64 if m <= 128 else 128
     return IntGemmLaunch(block_m, min(128, max(16, triton.next_power_of_2(n))), block_k, 1,
                          num_warps=4 if block_m == 64 else 8, num_stages=3)
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H200_SMS
 
 
 @triton.jit
@@ -151,8 +157,7 @@ def int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.T
     if m == 0:
         return out.view(*lead, n)
     if launch is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else H200_SMS
-        launch = launch_policy(m, n, k, group_size, sms)
+        launch = launch_policy(m, n, k, group_size, _num_sms(x.device))
     k_tiles = triton.cdiv(k, launch.block_k)
     k_per_split = triton.cdiv(k_tiles, launch.split_k) * launch.block_k
     split_k = triton.cdiv(k, k_per_split)  # every split non-empty

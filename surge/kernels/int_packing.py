@@ -83,6 +83,9 @@ def gptq_to_canonical(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch
     u = unpack_int32(qweight.t(), bits, in_features)  # [N, K]
     zero = unpack_int32(qzeros, bits, out_features).t().contiguous()  # [N, K / group]
     if v1_zeros:
+        if bits == 8 and (zero == 255).any():
+            raise ValueError("a GPTQ v1 8-bit zero point stored as 255 reads as 256, which the uint8 zero points of "
+                             "the canonical layout cannot hold")
         zero = zero + 1
     perm = None
     if g_idx is not None:

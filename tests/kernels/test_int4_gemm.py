@@ -94,36 +94,37 @@ def test_awq_converts_to_the_canonical_layout():
                        _expected_weight(u, scale, zero, 4, group))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_gptq_converts_to_the_canonical_layout(act_order):
-    """v1 zeros (stored zero - 1); act-order: g_idx a random assignment of K channels to groups of 128, so the
-    canonical weight is column-permuted and the GEMM reads x[:, perm]: x @ W.T is unchanged."""
+def test_gptq_converts_to_the_canonical_layout(act_order, bits):
+    """v1 zeros (stored zero - 1); act-order: g_idx a random assignment of K channels to groups, so the canonical
+    weight is column-permuted and the GEMM reads x[:, perm]: x @ W.T is unchanged."""
     from surge.kernels.int_packing import gptq_to_canonical
 
     n, k, group = 16, 256, 64
     g = torch.Generator().manual_seed(2)
-    u, scale, zero = _random_int_weight(n, k, 4, group, torch.float16, seed=2)
-    zero = zero.clamp(1, 15)  # v1 stores zero - 1 in a nibble
+    u, scale, zero = _random_int_weight(n, k, bits, group, torch.float16, seed=2)
+    zero = zero.clamp(1, (1 << bits) - 1)  # v1 stores zero - 1 in the field
     g_idx = torch.arange(k) // group
     if act_order:
         g_idx = g_idx[torch.randperm(k, generator=g)]
     # Meaning of the checkpoint: column k of W belongs to group g_idx[k].
     w_expected = (u.long() - zero.long()[:, g_idx]).to(torch.float16) * scale[:, g_idx]
-    qweight = _pack_sequential(u.t(), 0)  # [K / 8, N]
-    qzeros = _pack_sequential((zero.t().long() - 1), 1)  # [K / group, N / 8]
-    w = gptq_to_canonical(qweight, qzeros, scale.t().contiguous(), g_idx.int(), 4, group)
+    qweight = _pack_sequential(u.t(), 0, bits)  # [K * bits / 32, N]
+    qzeros = _pack_sequential((zero.t().long() - 1), 1, bits)  # [K / group, N * bits / 32]
+    w = gptq_to_canonical(qweight, qzeros, scale.t().contiguous(), g_idx.int(), bits, group)
     assert (w.input_perm is not None) == act_order
-    canonical = ref.dequantize_packed(w.weight_packed, w.weight_scale, 4, group, w.zero_point)
+    canonical = ref.dequantize_packed(w.weight_packed, w.weight_scale, bits, group, w.zero_point)
     if act_order:
         assert torch.equal(canonical, w_expected[:, w.input_perm.long()])
     else:
         assert torch.equal(canonical, w_expected)
     x = torch.randn(3, k, generator=g)  # float32: the product (u - z) * s is rounded to float32 on both sides
     w_float = (u.long() - zero.long()[:, g_idx]).float() * scale[:, g_idx].float()
-    torch.testing.assert_close(ref.int_gemm(x, w.weight_packed, w.weight_scale, 4, group, w.zero_point, w.input_perm),
-                               x @ w_float.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref.int_gemm(x, w.weight_packed, w.weight_scale, bits, group, w.zero_point,
+                                            w.input_perm), x @ w_float.t(), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="g_idx"):
-        gptq_to_canonical(qweight, qzeros, scale.t().contiguous(), torch.zeros(k, dtype=torch.int32), 4, group)
+        gptq_to_canonical(qweight, qzeros, scale.t().contiguous(), torch.zeros(k, dtype=torch.int32), bits, group)
 
 
 def _gemm_case(m, n, k, bits, group, dtype, asymmetric, seed=0):
