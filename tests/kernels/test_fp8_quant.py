@@ -125,3 +125,71 @@ def test_launch_policies():
     assert per_group_launch(2048, 128).block == 16 and per_group_launch(2176, 128).block == 16  # 2 programs
     assert per_group_launch(200, 128).block == 2 and per_group_launch(128, 128).block == 1
     assert per_group_launch(4096, 64).block == 32
+
+
+# (hidden, group_size): per token on a padded row; groups of 64 with a partial last group; two groups of 128.
+NORMS = [(100, None), (200, 64), (256, 128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden,group", NORMS, ids=[f"H{h}-g{g}" for h, g in NORMS])
+def test_rms_norm_fp8_equals_norm_then_quant(hidden, group, dtype, device):
+    """The fused norm + quantization is bit for bit the norm kernel followed by the quantization kernel (each tested
+    against torch on its own); with the residual add too (its sum as fused_add_rms_norm's)."""
+    from surge.kernels.fp8_quant import per_token_group_quant_fp8, scaled_fp8_quant_per_token
+    from surge.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_fp8, rms_norm, rms_norm_fp8
+
+    x = _x(5, hidden, dtype, device, seed=hidden)
+    residual = _x(5, hidden, dtype, device, seed=hidden + 1, spread=False)
+    weight = torch.randn(hidden, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+
+    def quant(t):
+        return scaled_fp8_quant_per_token(t) if group is None else per_token_group_quant_fp8(t, group)
+
+    expected_q, expected_scale = quant(rms_norm(x, weight, 1e-6))
+    q, scale = rms_norm_fp8(x, weight, 1e-6, group)
+    assert scale.stride() == expected_scale.stride() and torch.equal(scale, expected_scale)
+    _assert_same_fp8(q, expected_q)
+    normed, summed = fused_add_rms_norm(x, residual, weight, 1e-6)
+    expected_q, expected_scale = quant(normed)
+    q, scale, residual_out = fused_add_rms_norm_fp8(x, residual, weight, 1e-6, group)
+    assert torch.equal(residual_out, summed) and torch.equal(scale, expected_scale)
+    _assert_same_fp8(q, expected_q)
+
+
+def test_rms_norm_fp8_with_float32_weight_quantizes_the_float32_output(device):
+    from surge.kernels.fp8_quant import scaled_fp8_quant_per_token
+    from surge.kernels.norm import rms_norm, rms_norm_fp8
+
+    x = _x(3, 64, torch.bfloat16, device, seed=9)
+    weight = torch.randn(64, generator=torch.Generator().manual_seed(4)).to(device)
+    out = rms_norm(x, weight, 1e-6)
+    assert out.dtype == torch.float32
+    expected_q, expected_scale = scaled_fp8_quant_per_token(out)
+    q, scale = rms_norm_fp8(x, weight, 1e-6)
+    assert torch.equal(scale, expected_scale)
+    _assert_same_fp8(q, expected_q)
+    with pytest.raises(ValueError, match="group_size=256"):
+        rms_norm_fp8(x, weight, 1e-6, 256)
+
+
+# (d, group_size, forced tile): per token in one step and in 7 steps of 16; groups of 64 over 5 tiles of 64 (the last
+# partial), 4 groups of 64 per 256-column tile; groups of 128.
+SILUS = [(100, None, None), (100, None, 16), (300, 64, 64), (300, 64, 256), (256, 128, None)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,group,tile", SILUS, ids=[f"d{d}-g{g}-t{t}" for d, g, t in SILUS])
+def test_silu_and_mul_fp8_equals_silu_then_quant(d, group, tile, dtype, device):
+    from surge.kernels.activation import ActivationLaunch, silu_and_mul, silu_and_mul_fp8
+    from surge.kernels.fp8_quant import per_token_group_quant_fp8, scaled_fp8_quant_per_token
+
+    x = _x(4, 2 * d, dtype, device, seed=d, spread=False) * torch.tensor([[0.01], [1.0], [4.0], [30.0]], device=device,
+                                                                      dtype=dtype)  # rows of other magnitudes
+    product = silu_and_mul(x)
+    assert product.isfinite().all()
+    expected_q, expected_scale = (scaled_fp8_quant_per_token(product) if group is None
+                                  else per_token_group_quant_fp8(product, group))
+    q, scale = silu_and_mul_fp8(x, group, None if tile is None else ActivationLaunch(tile, 1))
+    assert scale.stride() == expected_scale.stride() and torch.equal(scale, expected_scale)
+    _assert_same_fp8(q, expected_q)
