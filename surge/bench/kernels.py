@@ -1,4 +1,5 @@
-"""GPU check and microbenchmark of every Surge kernel at Qwen3-8B shapes (the fused MoE at Qwen3-30B-A3B's):
+"""GPU check and microbenchmark of every Surge kernel at Qwen3-8B shapes (the fused MoE at Qwen3-30B-A3B's; the
+quantized GEMMs beside bf16 cuBLAS and torch._scaled_mm):
 `python -m surge.bench.kernels`.
 Each line: the case, its time, what it achieved (GB/s; TFLOP/s for prefill attention), its check against torch.
 """
@@ -421,10 +422,169 @@ def check_moe(device: str = "cuda", batches: tuple[int, ...] = (1, 8, 64, 256, 2
                extra="a layer's MoE block but the router GEMM")
 
 
+LINEAR_SHAPES = {"o_proj": (HQ * HEAD_DIM, HIDDEN), "gate_up_proj": (2 * INTERMEDIATE, HIDDEN),
+                 "down_proj": (HIDDEN, INTERMEDIATE)}
+
+
+def _fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], float32 [N, 1]) per output channel."""
+    scale = (w.float().abs().amax(1, keepdim=True) / 448).clamp_min(1e-12)
+    return (w.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def _fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (multiples of 128) -> (fp8, float32 [N / 128, K / 128]): a checkpoint's weight_scale_inv."""
+    n, k = w.shape
+    blocks = w.float().view(n // 128, 128, k // 128, 128)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp_min(1e-12)
+    return (blocks / scale[:, None, :, None]).view(n, k).to(torch.float8_e4m3fn), scale
+
+
+def check_quant(batches: tuple[int, ...] = (1, 16, 256, 4096),
+                shapes: dict[str, tuple[int, int]] | None = None) -> None:
+    """Qwen3-8B's linear layers: bf16 cuBLAS beside W4A16 (group 128, asymmetric: the int GEMM), fp8 per token x
+    per channel and fp8 1x128 x 128x128 blocks (torch._scaled_mm, with and without our activation quantization);
+    then the activation quantization kernels alone. GB/s over the weight, activation and output bytes; each checked
+    against the same math in float32 on the dequantized weight (fp8: on the quantized activations too)."""
+    from surge.kernels import quant_reference as qref
+    from surge.kernels.fp8_quant import (per_token_group_quant_fp8, scaled_fp8_quant_per_tensor,
+                                         scaled_fp8_quant_per_token)
+    from surge.kernels.int4_gemm import int_gemm, launch_policy
+
+    for name, (n, k) in (shapes or LINEAR_SHAPES).items():
+        w = torch.randn(n, k, device="cuda", dtype=DTYPE) / k ** 0.5
+        u = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)
+        packed = qref.pack_int32(u, 4)
+        scale = (torch.rand(n, k // 128, device="cuda") * 0.02 + 0.001).to(DTYPE)
+        zero = torch.randint(0, 16, (n, k // 128), device="cuda", dtype=torch.uint8)
+        w_int = qref.dequantize_packed(packed, scale, 4, 128, zero)
+        w_rows, s_rows = _fp8_rows(w)
+        w_blocks, s_blocks = _fp8_blocks(w)
+        for m in batches:
+            x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+            io = (m * k + m * n) * 2
+            flops = 2 * m * n * k
+            tag = f"{name} {n}x{k} M={m}"
+            bf16_s = bench(lambda: x @ w.t())
+            report(f"bf16 cuBLAS {tag}", bf16_s, nbytes=n * k * 2 + io, flops=flops)
+
+            got = int_gemm(x, packed, scale, bits=4, group_size=128, zero_point=zero)
+            launch = launch_policy(m, n, k, 128, torch.cuda.get_device_properties(0).multi_processor_count)
+            seconds = bench(lambda: int_gemm(x, packed, scale, bits=4, group_size=128, zero_point=zero))
+            report(f"w4a16 int_gemm {tag}", seconds, nbytes=n * k // 2 + n * (k // 128) * 3 + io, flops=flops,
+                   err=max_err(got, (x.float() @ w_int.float().t())), tol=2e-2,
+                   extra=f"split_k={launch.split_k} x{bf16_s / seconds:.2f} of bf16")
+
+            q, s = scaled_fp8_quant_per_token(x)
+            expected = qref.dequantize_fp8(q, s) @ (w_rows.float() * s_rows).t()
+            scale_b = s_rows.t()
+
+            def rowwise():
+                q, s = scaled_fp8_quant_per_token(x)
+                return torch._scaled_mm(q, w_rows.t(), scale_a=s, scale_b=scale_b, out_dtype=DTYPE)
+
+            gemm_s = bench(lambda: torch._scaled_mm(q, w_rows.t(), scale_a=s, scale_b=scale_b, out_dtype=DTYPE))
+            seconds = bench(rowwise)
+            report(f"fp8 per-token _scaled_mm {tag}", seconds, nbytes=n * k + io, flops=flops,
+                   err=max_err(rowwise(), expected), tol=2e-2,
+                   extra=f"GEMM alone {gemm_s * 1e6:.1f} us, x{bf16_s / seconds:.2f} of bf16")
+
+            def blockwise():
+                q, s = per_token_group_quant_fp8(x, 128)
+                return torch._scaled_mm(q, w_blocks.t(), scale_a=s, scale_b=s_blocks.t(), out_dtype=DTYPE)
+
+            try:
+                q, s = per_token_group_quant_fp8(x, 128)
+                expected = qref.dequantize_fp8(q, s, (1, 128)) @ qref.dequantize_fp8(w_blocks, s_blocks,
+                                                                                     (128, 128)).t()
+                err = max_err(blockwise(), expected)
+                gemm_s = bench(lambda: torch._scaled_mm(q, w_blocks.t(), scale_a=s, scale_b=s_blocks.t(),
+                                                        out_dtype=DTYPE))
+                seconds = bench(blockwise)
+                report(f"fp8 block _scaled_mm {tag}", seconds, nbytes=n * k + io, flops=flops, err=err, tol=2e-2,
+                       extra=f"GEMM alone {gemm_s * 1e6:.1f} us, x{bf16_s / seconds:.2f} of bf16")
+            except (RuntimeError, ValueError) as e:  # torch's blockwise scaled GEMM refuses some shapes and devices
+                print(f"fp8 block _scaled_mm {tag}: not run: {str(e).splitlines()[0]}", flush=True)
+            del x
+
+    for m in batches:
+        for k in sorted({k for _, k in (shapes or LINEAR_SHAPES).values()}):
+            x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+            nbytes = m * k * 3 + m * 4
+            q, s = scaled_fp8_quant_per_token(x)
+            eq, es = qref.fp8_quant_per_token(x)
+            report(f"fp8 quant per-token M={m} K={k}", bench(lambda: scaled_fp8_quant_per_token(x)), nbytes=nbytes,
+                   err=float((q.view(torch.uint8) != eq.view(torch.uint8)).sum() + (s != es).sum()), tol=0.0,
+                   extra="(err: bytes and scales unlike the reference)")
+            q, s = per_token_group_quant_fp8(x, 128)
+            eq, es = qref.fp8_quant_per_token_group(x, 128)
+            report(f"fp8 quant per-group 128 M={m} K={k}", bench(lambda: per_token_group_quant_fp8(x, 128)),
+                   nbytes=nbytes, err=float((q.view(torch.uint8) != eq.view(torch.uint8)).sum() + (s != es).sum()),
+                   tol=0.0)
+            static = torch.tensor([0.01], device="cuda")
+            report(f"fp8 quant static per-tensor M={m} K={k}", bench(lambda: scaled_fp8_quant_per_tensor(x, static)),
+                   nbytes=m * k * 3)
+
+
+def check_moe_quant(batches: tuple[int, ...] = (1, 64, 2048), experts: int = 128, top_k: int = 8, hidden: int = 2048,
+                    inter: int = 768) -> None:
+    """Qwen3-30B-A3B's experts (128, top 8, hidden 2048, intermediate 768) as fp8 128x128 blocks and as MXFP4,
+    beside bf16: the grouped GEMMs and combine on a prepared alignment; GB/s over the bytes of the experts reached;
+    each checked against the torch reference on the dequantized weights (fp8: activations quantized alike)."""
+    from surge.kernels import quant_reference as qref
+    from surge.kernels.fused_moe import MoeQuant, fused_moe, grouped_experts, launch_policy
+    from surge.kernels.moe_routing import align_to_blocks, route
+    from surge.kernels.reference import fused_moe as torch_moe
+
+    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=DTYPE) / hidden ** 0.5
+    down = torch.randn(experts, hidden, inter, device="cuda", dtype=DTYPE) / inter ** 0.5
+    fp8 = [_fp8_blocks(w.flatten(0, 1)) for w in (gate_up, down)]  # block rows never straddle experts here
+    gate_up_q, down_q = fp8[0][0].view_as(gate_up), fp8[1][0].view_as(down)
+    fp8_quant = MoeQuant("fp8_block", fp8[0][1].view(experts, -1, hidden // 128),
+                         fp8[1][1].view(experts, -1, inter // 128))
+    gate_up_deq = qref.dequantize_fp8(gate_up_q, fp8_quant.gate_up_scale, (128, 128))
+    down_deq = qref.dequantize_fp8(down_q, fp8_quant.down_scale, (128, 128))
+    blocks = [torch.randint(0, 256, (experts, r, c // 32, 16), device="cuda", dtype=torch.uint8)
+              for r, c in ((2 * inter, hidden), (hidden, inter))]
+    # Scales 2^-8 .. 2^-6: e2m1 codes have an rms of ~2.9, so the projections stay O(1) at these widths.
+    e8m0 = [torch.randint(119, 122, b.shape[:3], device="cuda", dtype=torch.uint8) for b in blocks]
+    mx_quant = MoeQuant("mxfp4", e8m0[0], e8m0[1])
+    mx_deq = [qref.dequantize_mxfp4(b, s, torch.float32) for b, s in zip(blocks, e8m0)]
+
+    def fake_quant(rows, _):
+        return qref.fp8_fake_quant(rows.to(DTYPE), "group")
+
+    def bf16_act(rows, which):
+        return rows.to(DTYPE).float() if which == "down" else rows
+
+    variants = {"bf16": (gate_up, down, None, 2.0, None),
+                "fp8 block": (gate_up_q, down_q, fp8_quant, 1 + 2 / 128 ** 2, (gate_up_deq, down_deq, fake_quant)),
+                "mxfp4": (blocks[0], blocks[1], mx_quant, 0.5 + 1 / 32, (mx_deq[0], mx_deq[1], bf16_act))}
+    for tokens in batches:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE)
+        weights, ids = route(torch.randn(tokens, experts, device="cuda").to(DTYPE), top_k, True, DTYPE)
+        launch = launch_policy(tokens, top_k, experts, hidden, inter)
+        aligned = align_to_blocks(ids, experts, launch.block_m)
+        reached = ids.unique().numel()
+        flops = 2 * tokens * top_k * 3 * hidden * inter
+        for name, (w1, w2, quant, bytes_per_weight, reference) in variants.items():
+            nbytes = reached * 3 * hidden * inter * bytes_per_weight + tokens * hidden * 4
+            err = None
+            if reference is not None:
+                got = fused_moe(x, w1, w2, weights, ids, quant=quant)
+                expected = torch_moe(x.float(), reference[0], reference[1], weights.float(), ids,
+                                     activation_quant=reference[2])
+                err = max_err(got, expected)
+            report(f"moe experts {name} T={tokens} ({reached} experts)",
+                   bench(lambda: grouped_experts(x, w1, w2, weights, ids, *aligned, launch, quant=quant)),
+                   nbytes=nbytes, flops=flops, err=err, tol=2e-2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes")
-    parser.add_argument("--only", choices=["layers", "attention", "sampling", "moe"], help="one group of kernels")
+    parser.add_argument("--only", choices=["layers", "attention", "sampling", "moe", "quant"],
+                        help="one group of kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("surge.bench.kernels needs a CUDA device (on the CPU: TRITON_INTERPRET=1 pytest tests/kernels)")
@@ -438,6 +598,9 @@ def main() -> None:
         check_sampling(args.quick)
     if args.only in (None, "moe"):
         check_moe()
+    if args.only in (None, "quant"):
+        check_quant((1, 16, 4096) if args.quick else (1, 16, 256, 4096))
+        check_moe_quant()
     if failures:
         sys.exit(f"FAILED: {', '.join(failures)}")
     print("# all checks passed")

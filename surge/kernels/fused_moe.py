@@ -6,6 +6,12 @@ then the k weighted rows of each token summed by one more kernel.
 Every shape is static (the padded pair count is its upper bound, blocks past the live ones exit at once), so one
 CUDA graph replays any routing. Defined by surge/kernels/reference.py's fused_moe; ids of -1 (experts another rank
 holds) contribute nothing. The alignment is surge/kernels/moe_routing.py's.
+
+Quantized experts are the same two kernels compiled for another QUANT (MoeQuant): fp8 weights with 128 x 128 block
+scales and 1 x 128 dynamic activation groups (the scales applied per K tile), fp8 with per-channel (or per-tensor)
+weight scales and per-token (or static) activation scales (applied once after the K loop), or MXFP4 weights decoded
+to bf16 in registers (a 16-entry e2m1 table, the e8m0 scale a power of two). The reference is the same loop on the
+dequantized weights, activations quantized and dequantized alike (quant_reference).
 """
 from __future__ import annotations
 
@@ -62,13 +68,50 @@ def launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
                      combine_block=min(1024, max(16, triton.next_power_of_2(hidden))))
 
 
+# e2m1 magnitudes (codes 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6) in quarters, 5 bits each: the MXFP4 decode table, held
+# in one 64-bit register and indexed by shifting (code 8..15 are the same magnitudes negated).
+E2M1_QUARTERS = sum(q << (5 * i) for i, q in enumerate((0, 2, 4, 6, 8, 12, 16, 24)))
+
+
 @triton.jit
-def _gate_up_act_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, N, K,
-                        stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
+def _weight_tile(w_rows, scale_rows, k0, K, col_ok, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
+                 E2M1_TABLE: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile W[n, k0 + i] (transposed) of one expert's rows n: w_rows and scale_rows point at
+    each row's start. mxfp4 rows hold bytes (value k in byte k // 2, the low nibble first) and one e8m0 scale per 32
+    values (K and BLOCK_K multiples of 32): the tile's bytes and scales load contiguous along K, unpack by shifts and
+    reshapes, and come back as bf16 (exact: an e2m1 value times a power of two). Other variants load as stored."""
+    if QUANT == "mxfp4":
+        BLOCK_N: tl.constexpr = w_rows.shape[0]
+        byte_ids = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(w_rows[:, None] + byte_ids[None, :], mask=col_ok[:, None] & (byte_ids < K // 2)[None, :],
+                       other=0).to(tl.int32)
+        code = (byte[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K / 2, 2]
+        quarters = (E2M1_TABLE >> ((code & 7) * 5).to(tl.int64)) & 31
+        value = tl.where(code >= 8, -quarters.to(tl.float32), quarters.to(tl.float32)) * 0.25
+        block_ids = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        exponent = tl.load(scale_rows[:, None] + block_ids[None, :],
+                           mask=col_ok[:, None] & (block_ids < K // 32)[None, :], other=127).to(tl.int32)
+        scale = (exponent << 23).to(tl.float32, bitcast=True)  # 2^(e - 127); e = 0 (2^-127) reads as 0
+        value = tl.reshape(value, (BLOCK_N, BLOCK_K // 32, 32)) * scale[:, :, None]
+        tile = tl.trans(tl.reshape(value, (BLOCK_N, BLOCK_K)).to(tl.bfloat16))
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        tile = tl.load(w_rows[None, :] + k[:, None], mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _gate_up_act_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
+                        num_pairs, N, K, stride_xm, stride_xsm, stride_xsk, stride_we, stride_wn, stride_wse,
+                        stride_wsn, up_scale_row, stride_be, stride_om, alpha, limit,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                        QUANT: tl.constexpr, QUANT_BLOCK: tl.constexpr, E2M1_TABLE: tl.constexpr):
     """out[pair, n] = act(gate, up) with gate = x[token] . w[e, n] (+ bias[e, n]), up = x[token] . w[e, N + n]
-    (+ bias[e, N + n]) for this block's pairs of expert e; act as reference.expert_activation."""
+    (+ bias[e, N + n]) for this block's pairs of expert e; act as reference.expert_activation. QUANT: "none";
+    "fp8_block" (x fp8 with scales [T, K / QUANT_BLOCK], w fp8 with [E, rows / QUANT_BLOCK, K / QUANT_BLOCK], up's
+    block rows from up_scale_row, applied per K tile); "fp8_channel" (x fp8 with [T] scales, w with [E, 2N] scales,
+    applied once); "mxfp4" (w decoded in _weight_tile)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -79,22 +122,39 @@ def _gate_up_act_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, block_e
         token = (pair // TOP_K).to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
+        cols64 = cols.to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
-        g_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [K, N] view
-        u_ptrs = g_ptrs + N * stride_wn
+        a_rows = x_ptr + token * stride_xm
+        g_rows = w_ptr + expert * stride_we + cols64 * stride_wn
+        u_rows = g_rows + N * stride_wn
+        if QUANT == "fp8_block":
+            g_scale_rows = w_scale_ptr + expert * stride_wse + (cols64 // QUANT_BLOCK) * stride_wsn
+            u_scale_rows = g_scale_rows + up_scale_row * stride_wsn
+        else:  # one scale row per weight row (mxfp4, fp8_channel: [E, 2N]); unused without quantization
+            g_scale_rows = w_scale_ptr + expert * stride_wse + cols64 * stride_wsn
+            u_scale_rows = g_scale_rows + N * stride_wsn
         gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(tl.cdiv(K, BLOCK_K)):
-            k_ok = ks < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            gate = tl.dot(a, g, gate, input_precision=DOT_PRECISION)
-            up = tl.dot(a, u, up, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            a = tl.load(a_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = _weight_tile(g_rows, g_scale_rows, k0, K, col_ok, BLOCK_K, QUANT, E2M1_TABLE)
+            u = _weight_tile(u_rows, u_scale_rows, k0, K, col_ok, BLOCK_K, QUANT, E2M1_TABLE)
+            if QUANT == "fp8_block":
+                a_scale = tl.load(x_scale_ptr + token * stride_xsm + (k0 // QUANT_BLOCK) * stride_xsk, mask=row_ok,
+                                  other=0.0)
+                g_scale = tl.load(g_scale_rows + k0 // QUANT_BLOCK, mask=col_ok, other=0.0)
+                u_scale = tl.load(u_scale_rows + k0 // QUANT_BLOCK, mask=col_ok, other=0.0)
+                gate += tl.dot(a, g) * (a_scale[:, None] * g_scale[None, :])
+                up += tl.dot(a, u) * (a_scale[:, None] * u_scale[None, :])
+            else:
+                gate = tl.dot(a, g, gate, input_precision=DOT_PRECISION)
+                up = tl.dot(a, u, up, input_precision=DOT_PRECISION)
+        if QUANT == "fp8_channel":
+            a_scale = tl.load(x_scale_ptr + token * stride_xsm, mask=row_ok, other=0.0)[:, None]
+            gate *= a_scale * tl.load(g_scale_rows, mask=col_ok, other=0.0)[None, :]
+            up *= a_scale * tl.load(u_scale_rows, mask=col_ok, other=0.0)[None, :]
         if HAS_BIAS:
             b_ptrs = bias_ptr + expert * stride_be + cols
             gate += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -110,11 +170,14 @@ def _gate_up_act_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, block_e
 
 
 @triton.jit
-def _down_weighted_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, num_pairs,
-                          N, K, stride_am, stride_we, stride_wn, stride_be, stride_om,
+def _down_weighted_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_ids_ptr,
+                          block_expert_ptr, weights_ptr, num_pairs, N, K, stride_am, stride_asm, stride_ask,
+                          stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """out[pair, n] = weight[pair] * (a[pair] . w[e, n] (+ bias[e, n])) for this block's pairs of expert e."""
+                          DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr,
+                          QUANT_BLOCK: tl.constexpr, E2M1_TABLE: tl.constexpr):
+    """out[pair, n] = weight[pair] * (a[pair] . w[e, n] (+ bias[e, n])) for this block's pairs of expert e; QUANT as
+    in _gate_up_act_kernel, the activation scales per pair."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -125,17 +188,30 @@ def _down_weighted_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ids_ptr, block
         pair64 = pair.to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
+        cols64 = cols.to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + pair64[:, None] * stride_am + ks[None, :]
-        w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+        a_rows = a_ptr + pair64 * stride_am
+        w_rows = w_ptr + expert * stride_we + cols64 * stride_wn
+        if QUANT == "fp8_block":
+            scale_rows = w_scale_ptr + expert * stride_wse + (cols64 // QUANT_BLOCK) * stride_wsn
+        else:
+            scale_rows = w_scale_ptr + expert * stride_wse + cols64 * stride_wsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(tl.cdiv(K, BLOCK_K)):
-            k_ok = ks < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            a = tl.load(a_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = _weight_tile(w_rows, scale_rows, k0, K, col_ok, BLOCK_K, QUANT, E2M1_TABLE)
+            if QUANT == "fp8_block":
+                a_scale = tl.load(a_scale_ptr + pair64 * stride_asm + (k0 // QUANT_BLOCK) * stride_ask, mask=row_ok,
+                                  other=0.0)
+                w_scale = tl.load(scale_rows + k0 // QUANT_BLOCK, mask=col_ok, other=0.0)
+                acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
+            else:
+                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if QUANT == "fp8_channel":
+            acc *= (tl.load(a_scale_ptr + pair64 * stride_asm, mask=row_ok, other=0.0)[:, None]
+                    * tl.load(scale_rows, mask=col_ok, other=0.0)[None, :])
         if HAS_BIAS:
             acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         weight = tl.load(weights_ptr + pair64, mask=row_ok, other=0.0).to(tl.float32)
@@ -160,20 +236,72 @@ def _combine_kernel(rows_ptr, ids_ptr, out_ptr, hidden, expert_offset, num_exper
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+QUANT_METHODS = ("fp8_block", "fp8_channel", "mxfp4")
+FP8_BLOCK = 128  # DeepSeek / Qwen3-FP8 blocks: 128 x 128 weight blocks, 1 x 128 activation groups
+
+
+@dataclass(frozen=True)
+class MoeQuant:
+    """Quantized experts: the kernels' compile-time variant and its scales. gate_up and down then hold:
+
+    - fp8_block: float8_e4m3fn [E, 2I, H] and [E, H, I]; gate_up_scale float32 [E, 2 * ceil(I / 128), ceil(H / 128)]
+      (gate's block rows, then up's: a checkpoint's two weight_scale_inv stacked), down_scale [E, ceil(H / 128),
+      ceil(I / 128)]. Activations quantized dynamically per token and 128 columns (per_token_group_quant_fp8).
+    - fp8_channel: float8_e4m3fn weights; gate_up_scale float32 [E, 2I] and down_scale [E, H] per output row, or
+      [E, 1] (per tensor, broadcast). Activations per token, dynamically, or with a static per-tensor scale
+      (gate_up_input_scale, down_input_scale: one float32 value each; a checkpoint's per-expert input_scale's max).
+    - mxfp4 (gpt-oss): uint8 blocks [E, 2I, H / 32, 16] and [E, H, I / 32, 16] (two e2m1 per byte, low nibble
+      first), e8m0 scales uint8 gate_up_scale [E, 2I, H / 32], down_scale [E, H, I / 32]; bf16 activations. gpt-oss
+      interleaves gate and up rows: deinterleave_gate_up first.
+    """
+    method: str
+    gate_up_scale: torch.Tensor
+    down_scale: torch.Tensor
+    gate_up_input_scale: torch.Tensor | None = None
+    down_input_scale: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.method not in QUANT_METHODS:
+            raise ValueError(f"MoE quantization {self.method!r} is not supported; supported: "
+                             f"{', '.join(QUANT_METHODS)}")
+
+
+def deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gate_up rows (gate, up, gate, up, ...) along dim 1 -> [gate rows | up rows], for its blocks, scales
+    and bias alike. Once, at load."""
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1).contiguous()
+
+
+def _logical_weight(w: torch.Tensor, quant: MoeQuant | None) -> tuple[torch.Tensor, int]:
+    """(the weight as the kernel addresses it: [E, rows, K] elements, or [E, rows, K / 2] bytes for mxfp4; K)."""
+    if quant is not None and quant.method == "mxfp4":
+        if w.dim() != 4 or w.shape[-1] != 16 or w.dtype != torch.uint8:
+            raise ValueError(f"mxfp4 expert blocks must be uint8 [E, rows, K / 32, 16], got {w.dtype} "
+                             f"{tuple(w.shape)}")
+        return w.flatten(2), w.shape[2] * 32
+    if quant is not None and w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{quant.method} expert weights must be float8_e4m3fn, got {w.dtype}")
+    return w, w.shape[2]
+
+
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, launch: MoeLaunch | None = None, expert_offset: int = 0, *,
               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-              activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
+              activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+              quant: MoeQuant | None = None) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H] ([gate | up] rows); down [E, H, I]; topk_weights, topk_ids [T, k]; optional
-    biases gate_up_bias [E, 2I], down_bias [E, H]; activation one of reference.EXPERT_ACTIVATIONS. Returns [T, H] in
-    x's dtype. Four launches: alignment, gate|up, down, combine.
+    biases gate_up_bias [E, 2I], down_bias [E, H]; activation one of reference.EXPERT_ACTIVATIONS; quant: quantized
+    weights (MoeQuant says their layouts). Returns [T, H] in x's dtype. Four launches: alignment, gate|up, down,
+    combine (fp8: two more, each GEMM's activation quantization).
 
     This rank holds experts [expert_offset, expert_offset + E) of the ids (global ones under expert parallelism;
     local ones, -1 for another rank's, with the default 0): any other id contributes nothing."""
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = gate_up.shape
-    inter, top_k = two_inter // 2, topk_ids.shape[1]
-    if gate_up.shape[2] != hidden or tuple(down.shape) != (num_experts, hidden, inter):
+    top_k = topk_ids.shape[1]
+    (num_experts, two_inter, _), gate_up_k = gate_up.shape[:3], _logical_weight(gate_up, quant)[1]
+    inter = two_inter // 2
+    down_shape = (down.shape[0], down.shape[1], _logical_weight(down, quant)[1])
+    if gate_up_k != hidden or down_shape != (num_experts, hidden, inter):
         raise ValueError(f"expert weights gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not fit "
                          f"hidden size {hidden}")
     for name, bias, want in (("gate_up_bias", gate_up_bias, (num_experts, two_inter)),
@@ -188,41 +316,101 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     sorted_ids, block_expert = align_to_blocks(topk_ids, num_experts, launch.block_m, expert_offset)
     return grouped_experts(x, gate_up, down, topk_weights, topk_ids, sorted_ids, block_expert, launch, expert_offset,
                            gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
-                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, quant=quant)
+
+
+def _quantize_rows(a: torch.Tensor, method: str, static_scale: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """A GEMM's fp8 input: (q, scales, the scales' row stride, their K-group stride)."""
+    from surge.kernels.fp8_quant import (per_token_group_quant_fp8, scaled_fp8_quant_per_tensor,
+                                         scaled_fp8_quant_per_token)
+
+    if method == "fp8_block":
+        q, scale = per_token_group_quant_fp8(a, FP8_BLOCK)
+        return q, scale, scale.stride(0), scale.stride(1)
+    if static_scale is not None:
+        q, scale = scaled_fp8_quant_per_tensor(a, static_scale)
+        return q, scale, 0, 0  # every row reads the one scale
+    q, scale = scaled_fp8_quant_per_token(a)
+    return q, scale, scale.stride(0), 0
+
+
+def _check_scales(quant: MoeQuant, gate_up: torch.Tensor, down: torch.Tensor, hidden: int, inter: int) -> None:
+    num_experts = gate_up.shape[0]
+    if quant.method == "fp8_block":
+        blocks = triton.cdiv(inter, FP8_BLOCK), triton.cdiv(hidden, FP8_BLOCK)
+        want = {"gate_up_scale": (num_experts, 2 * blocks[0], blocks[1]),
+                "down_scale": (num_experts, blocks[1], blocks[0])}
+    elif quant.method == "mxfp4":
+        want = {"gate_up_scale": (num_experts, 2 * inter, hidden // 32),
+                "down_scale": (num_experts, hidden, inter // 32)}
+    else:
+        want = {"gate_up_scale": [(num_experts, 2 * inter), (num_experts, 1)],
+                "down_scale": [(num_experts, hidden), (num_experts, 1)]}
+    for name, shapes in want.items():
+        shape = tuple(getattr(quant, name).shape)
+        if shape not in (shapes if isinstance(shapes, list) else [shapes]):
+            raise ValueError(f"{quant.method} {name} of shape {shape}, expected {shapes}")
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, launch: MoeLaunch,
                     expert_offset: int = 0, *, gate_up_bias: torch.Tensor | None = None,
                     down_bias: torch.Tensor | None = None, activation: str = "silu", swiglu_alpha: float = 1.702,
-                    swiglu_limit: float = 7.0) -> torch.Tensor:
+                    swiglu_limit: float = 7.0, quant: MoeQuant | None = None) -> torch.Tensor:
     """fused_moe after its alignment (sorted_ids, block_expert from align_to_blocks with launch.block_m): the two
     GEMMs and the combine. Apart so that a benchmark times them without the routing."""
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = gate_up.shape
-    inter, top_k = two_inter // 2, topk_ids.shape[1]
-    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    gate_up, _ = _logical_weight(gate_up.contiguous(), quant)
+    down, inter = _logical_weight(down.contiguous(), quant)
+    num_experts, top_k = gate_up.shape[0], topk_ids.shape[1]
+    method = "none" if quant is None else quant.method
+    if quant is not None:
+        _check_scales(quant, gate_up, down, hidden, inter)
+    if method == "mxfp4" and x.dtype != torch.bfloat16:
+        raise ValueError(f"mxfp4 experts take bf16 activations, got {x.dtype}")
+    if method == "fp8_block" and (launch.gate_up.block_k > FP8_BLOCK or launch.down.block_k > FP8_BLOCK):
+        raise ValueError(f"fp8_block needs K tiles within a {FP8_BLOCK}-column block, got {launch}")
+    if method == "mxfp4" and (hidden % 32 or inter % 32 or min(launch.gate_up.block_k, launch.down.block_k) < 32):
+        raise ValueError(f"mxfp4 needs hidden ({hidden}) and intermediate ({inter}) sizes and K tiles that are "
+                         f"multiples of 32, got {launch}")
+    x = x.contiguous()
     num_pairs = num_tokens * top_k
     num_blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    # Unused pointers (no bias, no scales) take the weight's place: never read.
+    gate_up_scale = gate_up if quant is None else quant.gate_up_scale.contiguous()
+    down_scale = down if quant is None else quant.down_scale.contiguous()
+    a, a_scale, stride_asm, stride_ask = x, x, 0, 0
+    if method in ("fp8_block", "fp8_channel"):
+        a, a_scale, stride_asm, stride_ask = _quantize_rows(x, method, quant.gate_up_input_scale)
+    constants = dict(QUANT=method, QUANT_BLOCK=FP8_BLOCK, E2M1_TABLE=E2M1_QUARTERS, DOT_PRECISION=precision)
+
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     t = launch.gate_up
-    # Without a bias, the weight stands in for its pointer (never read).
     gate_up_b = gate_up if gate_up_bias is None else gate_up_bias.contiguous()
+    up_scale_row = gate_up_scale.shape[1] // 2 if method == "fp8_block" else 0
+    scale_row_stride = gate_up_scale.stride(1) if gate_up_scale.shape[1] > 1 else 0  # [E, 1]: one per expert
     _gate_up_act_kernel[(num_blocks * triton.cdiv(inter, t.block_n),)](
-        x, gate_up, gate_up_b, act, sorted_ids, block_expert, num_pairs, inter, hidden,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_b.stride(0), act.stride(0),
-        float(swiglu_alpha), float(swiglu_limit),
-        TOP_K=top_k, BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT_PRECISION=precision,
-        HAS_BIAS=gate_up_bias is not None, ACTIVATION=activation, num_warps=t.num_warps, num_stages=t.num_stages)
+        a, a_scale, gate_up, gate_up_scale, gate_up_b, act, sorted_ids, block_expert, num_pairs, inter, hidden,
+        a.stride(0), stride_asm, stride_ask, gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
+        scale_row_stride, up_scale_row, gate_up_b.stride(0), act.stride(0), float(swiglu_alpha), float(swiglu_limit),
+        TOP_K=top_k, BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=gate_up_bias is not None,
+        ACTIVATION=activation, num_warps=t.num_warps, num_stages=t.num_stages, **constants)
+
+    a, a_scale, stride_asm, stride_ask = act, act, 0, 0
+    if method in ("fp8_block", "fp8_channel"):
+        a, a_scale, stride_asm, stride_ask = _quantize_rows(act, method, quant.down_input_scale)
     rows = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # the rows of pairs held here
     t = launch.down
     down_b = down if down_bias is None else down_bias.contiguous()
+    scale_row_stride = down_scale.stride(1) if down_scale.shape[1] > 1 else 0
     _down_weighted_kernel[(num_blocks * triton.cdiv(hidden, t.block_n),)](
-        act, down, down_b, rows, sorted_ids, block_expert, topk_weights.contiguous(), num_pairs, hidden, inter,
-        act.stride(0), down.stride(0), down.stride(1), down_b.stride(0), rows.stride(0),
-        BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT_PRECISION=precision,
-        HAS_BIAS=down_bias is not None, num_warps=t.num_warps, num_stages=t.num_stages)
+        a, a_scale, down, down_scale, down_b, rows, sorted_ids, block_expert, topk_weights.contiguous(), num_pairs,
+        hidden, inter, a.stride(0), stride_asm, stride_ask, down.stride(0), down.stride(1), down_scale.stride(0),
+        scale_row_stride, down_b.stride(0), rows.stride(0),
+        BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=down_bias is not None,
+        num_warps=t.num_warps, num_stages=t.num_stages, **constants)
     out = torch.empty_like(x)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     _combine_kernel[(num_tokens, triton.cdiv(hidden, launch.combine_block))](

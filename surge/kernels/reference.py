@@ -3,6 +3,8 @@ FP8 KV cache's quantization): the CPU path of the layers and the attention prolo
 kernels are tested against. No Triton here."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 FP8_KV_DTYPE = torch.float8_e4m3fn  # what an FP8 KV cache stores (vLLM's fp8 / fp8_e4m3)
@@ -63,13 +65,18 @@ def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "s
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
               down_bias: torch.Tensor | None = None, activation: str = "silu", swiglu_alpha: float = 1.702,
-              swiglu_limit: float = 7.0) -> torch.Tensor:
+              swiglu_limit: float = 7.0,
+              activation_quant: Callable[[torch.Tensor, str], torch.Tensor] | None = None) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert(x[t]), expert e being down[e] @ act(gate, up) + down_bias[e] with
     [gate | up] = gate_up[e] @ x + gate_up_bias[e] (biases optional; act: `expert_activation`); ids of -1 (experts
     held by another rank) contribute nothing.
 
     x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; gate_up_bias [E, 2I]; down_bias [E, H]; topk_* [T, k]. Rounded as
-    HF transformers' experts loop: each projection in x's dtype, experts added in ascending order."""
+    HF transformers' experts loop: each projection in x's dtype, experts added in ascending order.
+
+    activation_quant (optional, (rows, "gate_up" | "down") -> rows): applied to each expert's input rows and to its
+    activation before the down projection; a quantize-dequantize that makes this the definition of the kernels'
+    quantized variants."""
     linear = torch.nn.functional.linear
     out = torch.zeros_like(x)
     inter = down.shape[-1]
@@ -77,11 +84,13 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
         if expert < 0:
             continue
         token, slot = (topk_ids == expert).nonzero(as_tuple=True)
-        gate_up_e = linear(x[token], gate_up[expert])
+        rows = x[token] if activation_quant is None else activation_quant(x[token], "gate_up")
+        gate_up_e = linear(rows, gate_up[expert])
         if gate_up_bias is not None:
             gate_up_e = gate_up_e + gate_up_bias[expert]
         gate, up = gate_up_e.split(inter, dim=-1)
-        y = linear(expert_activation(gate, up, activation, swiglu_alpha, swiglu_limit), down[expert])
+        act = expert_activation(gate, up, activation, swiglu_alpha, swiglu_limit)
+        y = linear(act if activation_quant is None else activation_quant(act, "down"), down[expert])
         if down_bias is not None:
             y = y + down_bias[expert]
         out.index_add_(0, token, y * topk_weights[token, slot, None])

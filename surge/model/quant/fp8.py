@@ -19,42 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from surge.kernels.quant_reference import FP8_DTYPE as FP8
+from surge.kernels.quant_reference import FP8_MAX
+from surge.kernels.quant_reference import FP8_MIN_SCALE as MIN_SCALE
+from surge.kernels.quant_reference import dequantize_fp8, fp8_fake_quant
 from surge.model.quant.base import LinearMethod, Sharding, add_param
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a row of zeros still divides by something finite
-
-
-# ---- activation quantization (torch; the CUDA path takes surge/kernels/fp8_quant.py's kernels where present) ----
-
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 [M, K], float32 scales [M, 1]): each row scaled so its largest magnitude is 448."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=MIN_SCALE)
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of group) -> (fp8 [M, K], float32 scales [M, K / group])."""
-    m, k = x.shape
-    g = x.float().view(m, k // group, group)
-    scale = (g.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)
-    return (g / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).view(m, k), scale.squeeze(-1)
-
-
-def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-
-
-def _simulate(x: torch.Tensor, act: str, group: int, input_scale: torch.Tensor | None) -> torch.Tensor:
-    """x through the activation quantization and back, in float32 (the CPU path and the tests' reference)."""
-    if act == "static":
-        return quantize_static(x, input_scale).float() * input_scale
-    if act == "group":
-        q, s = quantize_per_group(x.reshape(-1, x.shape[-1]), group)
-        return (q.float().view(q.shape[0], -1, group) * s.unsqueeze(-1)).view(x.shape)
-    q, s = quantize_per_token(x.reshape(-1, x.shape[-1]))
-    return (q.float() * s).view(x.shape)
 
 
 def quantize_weight(w: torch.Tensor, scheme: str, block: tuple[int, int] | None
@@ -76,14 +45,6 @@ def quantize_weight(w: torch.Tensor, scheme: str, block: tuple[int, int] | None
     else:
         scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)
     return (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def dequantize_weight(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-    """float32 [N, K] of an fp8 weight and its stored scales ([N, 1], or blocks)."""
-    if block is None:
-        return w.float() * scale.float()
-    n, k = w.shape
-    return w.float() * scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
 
 
 # ---- the linear method ----
@@ -144,16 +105,16 @@ class Fp8LinearMethod(LinearMethod):
             getattr(layer, self.input_scale_name).data.fill_(0.05)
 
     def dense_weight(self, layer) -> torch.Tensor:
-        return dequantize_weight(layer.weight, getattr(layer, self.scale_name), self.block).to(layer.params_dtype)
+        return dequantize_fp8(layer.weight, getattr(layer, self.scale_name), self.block, layer.params_dtype)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:
             return self._apply_cuda(layer, x, bias)
         from surge.model.layers.gemm import linear
-        input_scale = getattr(layer, self.input_scale_name, None)
-        group = self.block[1] if self.block else 0
-        x_sim = _simulate(x, self.activations, group, input_scale).to(x.dtype)
-        return linear(x_sim, self._dequantized(layer), bias, owner=layer)
+        x2 = x.reshape(-1, x.shape[-1])
+        x_sim = fp8_fake_quant(x2, "group" if self.activations == "group" else "token",
+                               getattr(layer, self.input_scale_name, None), self.block[1] if self.block else 128)
+        return linear(x_sim.to(x.dtype).view(x.shape), self._dequantized(layer), bias, owner=layer)
 
     def _dequantized(self, layer) -> torch.Tensor:
         """The weight in the activations' dtype, dequantized once (again after the weight changes)."""
@@ -168,43 +129,25 @@ class Fp8LinearMethod(LinearMethod):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         w, w_scale = layer.weight, getattr(layer, self.scale_name)
+        kernels = _kernels()
         if self.activations == "group":
-            q, x_scale = _kernels().per_group(x2, self.block[1])
+            q, x_scale = kernels.per_token_group_quant_fp8(x2, self.block[1])
             out = torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
             if bias is not None:
                 out = out + bias
         else:
             if self.activations == "static":
                 input_scale = getattr(layer, self.input_scale_name)
-                q = _kernels().static(x2, input_scale)
+                q, _ = kernels.scaled_fp8_quant_per_tensor(x2, input_scale)
                 x_scale = input_scale.expand(x2.shape[0], 1)
             else:
-                q, x_scale = _kernels().per_token(x2)
+                q, x_scale = kernels.scaled_fp8_quant_per_token(x2)
             out = torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), bias=bias,
                                    out_dtype=x.dtype)
         return out.view(*shape[:-1], out.shape[-1])
 
 
-class _TorchQuant:
-    """Activation quantization in torch ops, where no kernel is given (scales M-major for block GEMMs)."""
-
-    @staticmethod
-    def per_token(x):
-        return quantize_per_token(x)
-
-    @staticmethod
-    def per_group(x, group):
-        q, s = quantize_per_group(x, group)
-        return q, s.t().contiguous().t()
-
-    @staticmethod
-    def static(x, scale):
-        return quantize_static(x, scale)
-
-
 def _kernels():
-    try:
-        from surge.kernels import fp8_quant
-    except ImportError:
-        return _TorchQuant
+    """surge/kernels/fp8_quant.py's activation quantization (imported on first CUDA use: Triton)."""
+    from surge.kernels import fp8_quant
     return fp8_quant

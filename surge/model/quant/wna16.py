@@ -5,8 +5,8 @@ into as they load:
   each stored as q + 2^(bits - 1) (unsigned);
 - `weight_scale` [N, K / group] in the activations' dtype ([N, 1] per channel);
 - `weight_zero_point` int32 [N * bits / 32, K / group], packed along N the same way (asymmetric schemes only).
-w = (q - zero) * scale. CUDA: the int4/int8 GEMM kernel (surge/kernels/wna16_gemm.py) where present; elsewhere the
-weight is dequantized once into a cached copy and the ordinary GEMM runs.
+w = (q - zero) * scale. CUDA: the int4/int8 GEMM kernel (surge/kernels/int4_gemm.py, dequantizing in registers);
+elsewhere the weight is dequantized once into a cached copy and the ordinary GEMM runs.
 """
 from __future__ import annotations
 
@@ -14,31 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from surge.kernels.quant_reference import dequantize_packed, pack_int32
 from surge.model.quant.base import LinearMethod, Sharding, add_param
-
-
-def unpack_int32(packed: torch.Tensor, bits: int, size: int, dim: int = 1) -> torch.Tensor:
-    """int32 words -> the `size` signed values packed along `dim` (int32)."""
-    per_word = 32 // bits
-    x = packed if dim == 1 else packed.t()
-    shifts = torch.arange(0, 32, bits, device=packed.device, dtype=torch.int32)
-    values = (x.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [R, W, per_word]
-    values = values.reshape(x.shape[0], -1)[:, :size] - (1 << (bits - 1))
-    assert per_word * x.shape[1] >= size
-    return values if dim == 1 else values.t()
-
-
-def pack_int32(values: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
-    """Signed values (int) -> int32 words along `dim`: `unpack_int32`'s inverse (the tests' and presets' packer)."""
-    per_word = 32 // bits
-    x = values if dim == 1 else values.t()
-    rows, cols = x.shape
-    pad = -cols % per_word
-    u = torch.nn.functional.pad((x.to(torch.int64) + (1 << (bits - 1))), (0, pad)).view(rows, -1, per_word)
-    shifts = torch.arange(0, 32, bits, device=values.device, dtype=torch.int64)
-    words = (u << shifts).sum(-1)
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-    return words.contiguous() if dim == 1 else words.t().contiguous()
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group: int | None, symmetric: bool
@@ -87,14 +64,21 @@ class WNA16LinearMethod(LinearMethod):
                       device=device)
 
     def dense_weight(self, layer) -> torch.Tensor:
-        n, k = layer.out_features, layer.in_features
-        q = unpack_int32(layer.weight_packed, self.bits, k).float()
-        scale = layer.weight_scale.float()
-        groups = scale.shape[1]
-        if not self.symmetric:
-            zero = unpack_int32(layer.weight_zero_point, self.bits, n, dim=0).float()
-            q = q.view(n, groups, -1) - zero.unsqueeze(-1)
-        return (q.view(n, groups, -1) * scale.unsqueeze(-1)).view(n, k).to(layer.params_dtype)
+        return dequantize_packed(layer.weight_packed, layer.weight_scale.float(), self.bits,
+                                 self.group_size or layer.in_features, self._zero_point(layer),
+                                 layer.in_features).to(layer.params_dtype)
+
+    def _zero_point(self, layer) -> torch.Tensor | None:
+        """The kernel's unsigned zero points [N, K / group] (uint8), unpacked once from the checkpoint's words."""
+        if self.symmetric:
+            return None
+        key = (layer.weight_zero_point.data_ptr(), layer.weight_zero_point._version)
+        cached = layer.__dict__.get("_wna16_zero")
+        if cached is None or cached[0] != key:
+            from surge.kernels.int_packing import unpack_ct_zero_point
+            cached = layer.__dict__["_wna16_zero"] = (key, unpack_ct_zero_point(layer.weight_zero_point, self.bits,
+                                                                                 layer.out_features))
+        return cached[1]
 
     def init_dummy(self, layer, gen: torch.Generator) -> None:
         dense = torch.empty(layer.out_features, layer.in_features, device=layer.weight_packed.device)
@@ -103,12 +87,18 @@ class WNA16LinearMethod(LinearMethod):
 
     def load_dense(self, layer, dense: torch.Tensor) -> None:
         q, scale, zero = quantize_rtn(dense, self.bits, self.group_size, self.symmetric)
-        layer.weight_packed.data.copy_(pack_int32(q, self.bits))
+        offset = 1 << (self.bits - 1)  # stored unsigned
+        layer.weight_packed.data.copy_(pack_int32(q + offset, self.bits))
         layer.weight_scale.data.copy_(scale)
         if zero is not None:
-            layer.weight_zero_point.data.copy_(pack_int32(zero, self.bits, dim=0))
+            layer.weight_zero_point.data.copy_(pack_int32((zero + offset).t(), self.bits).t())
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:
+            from surge.kernels.int4_gemm import int_gemm
+            return int_gemm(x, layer.weight_packed, layer.weight_scale, bits=self.bits,
+                            group_size=self.group_size or layer.in_features, zero_point=self._zero_point(layer),
+                            bias=bias)
         from surge.model.layers.gemm import linear
         key = (layer.weight_packed.data_ptr(), layer.weight_packed._version, layer.weight_scale._version)
         cached = layer.__dict__.get("_wna16_dense")
