@@ -280,6 +280,9 @@ class EngineArgs:
         if self.quantization is not None or model_config.quantization_config is not None:
             from surge.model.quant import get_quant_config
             get_quant_config(model_config.quantization_config, self.quantization)  # refuses what it cannot run
+            if self.quantization == "w4a16" and model_config.load_format != "dummy":
+                raise ValueError("quantization='w4a16' makes random int4 weights for a preset (load_format dummy); "
+                                 "an unquantized checkpoint is quantized to int4 offline (llm-compressor W4A16)")
             model_config = dataclasses.replace(model_config, quantization=self.quantization)
         return model_config
 

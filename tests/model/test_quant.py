@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_parity
 from surge import LLM, SamplingParams
+from surge.kernels.quant_reference import fp8_fake_quant
 from tiny_models import make_tiny_model, tiny_config
 from tiny_quant import LINEARS, save_compressed_tensors, save_hf_fp8_block
 
@@ -164,3 +165,50 @@ def test_preset_with_random_quantized_weights():
         assert dense.isfinite().all() and 0.015 < dense.std().item() < 0.025
     finally:
         engine.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm: CUDA")
+@pytest.mark.parametrize("weights, activations, block", [("block", "group", (128, 128)), ("channel", "token", None),
+                                                         ("tensor", "static", None)])
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_scaled_mm_path_equals_the_dequantized_one(weights, activations, block, rows):
+    """The H200's fp8 GEMM (activation kernels + torch._scaled_mm) against the CPU path's math (dequantized weight,
+    activations quantized and back) on the same layer, bf16: within bf16 rounding of the output."""
+    from surge.model.layers.linear import Linear
+    from surge.model.quant.fp8 import Fp8LinearMethod
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            layer = Linear(512, 384, bias=True)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        method = Fp8LinearMethod(weights, activations, block)
+        del layer.weight
+        layer.set_method(method, torch.device("cuda"))
+        method.init_dummy(layer, torch.Generator(device="cuda").manual_seed(1))
+        layer.bias.normal_()
+        x = torch.randn(rows, 512, dtype=torch.bfloat16)
+    assert method.scaled_mm_serves(x)
+    got = layer(x)
+    x_sim = fp8_fake_quant(x, "group" if activations == "group" else "token", getattr(layer, "input_scale", None))
+    reference = torch.nn.functional.linear(x_sim, method.dense_weight(layer).float(), layer.bias.float())
+    torch.testing.assert_close(got.float(), reference, atol=2e-2, rtol=2e-2)
+
+
+def test_w4a16_preset_path_makes_random_int4_weights_and_refuses_checkpoints(tmp_path):
+    from surge.engine.args import EngineArgs
+    from surge.engine.core import EngineCore
+
+    engine = EngineCore(EngineArgs(preset="tiny-llama", load_format="dummy", device="cpu", max_model_len=64,
+                                   kv_cache_memory=1 << 20, quantization="w4a16").create_engine_config())
+    try:
+        layer = engine.executor.runner.model.layers[0].mlp.down_proj
+        assert layer.weight_packed.dtype == torch.int32 and layer.quant_method.bits == 4
+        dense = layer.quant_method.dense_weight(layer).float()
+        assert dense.isfinite().all() and 0.01 < dense.std().item() < 0.03
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="quantization='w4a16' makes random int4 weights for a preset"):
+        LLM(make_tiny_model("llama", tmp_path), quantization="w4a16", max_model_len=64, kv_cache_memory=1 << 20)

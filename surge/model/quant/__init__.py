@@ -96,10 +96,26 @@ class OnlineFp8Config(QuantConfig):
         return self.method.describe()
 
 
+class PresetW4A16Config(QuantConfig):
+    """`--quantization w4a16` for a preset's random weights (benchmarks): int4, groups of 128, symmetric, made where
+    the weights are (an unquantized checkpoint has no int4 tensors to load: quantize it with llm-compressor)."""
+    name = "w4a16"
+
+    def __init__(self) -> None:
+        from surge.model.quant.wna16 import WNA16LinearMethod
+        self.method = WNA16LinearMethod(bits=4, group_size=128, symmetric=True)
+
+    def method_for(self, module: str) -> LinearMethod:
+        return self.method
+
+    def describe(self) -> str:
+        return f"w4a16 (random weights): {self.method.describe()}"
+
+
 # quant_method -> config class (reading `quantization_config`)
 QUANT_METHODS: dict[str, type[QuantConfig]] = {"fp8": Fp8Config}
 # --quantization values for unquantized checkpoints
-ONLINE_METHODS: dict[str, type[QuantConfig]] = {"fp8": OnlineFp8Config}
+ONLINE_METHODS: dict[str, type[QuantConfig]] = {"fp8": OnlineFp8Config, "w4a16": PresetW4A16Config}
 
 
 def register_quant_method(name: str, cls: type[QuantConfig]) -> None:

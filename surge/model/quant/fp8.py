@@ -8,9 +8,11 @@ per-tensor scale fills its shard's rows, so q, k and v keep their own) or [ceil(
 static activation scale float32 [1] (the largest of a merged layer's shards). Names as the checkpoint's: HF writes
 `weight_scale_inv` / `activation_scale`, compressed-tensors `weight_scale` / `input_scale`.
 
-CUDA: torch._scaled_mm, row-wise (scale_a [M, 1], scale_b [1, N]) or block-wise (1x128 x 128x128). Elsewhere the
+CUDA with bf16/fp16 activations: torch._scaled_mm, row-wise (scale_a [M, 1], scale_b [1, N]) or block-wise (1x128 x
+128x128), activations quantized by surge/kernels/fp8_quant.py. Elsewhere (CPU, float32, other block shapes) the
 weight is dequantized once (a cached copy in the activations' dtype) and the activations' quantization simulated in
-float32 (quantize, dequantize), then the ordinary GEMM: the same math, a reference the GPU path is tested against.
+float32 (quantize, dequantize; kernels/quant_reference.py), then the ordinary GEMM: the same math, the reference the
+GPU path is tested against.
 """
 from __future__ import annotations
 
@@ -108,13 +110,18 @@ class Fp8LinearMethod(LinearMethod):
         return dequantize_fp8(layer.weight, getattr(layer, self.scale_name), self.block, layer.params_dtype)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda:
+        if self.scaled_mm_serves(x):
             return self._apply_cuda(layer, x, bias)
         from surge.model.layers.gemm import linear
         x2 = x.reshape(-1, x.shape[-1])
         x_sim = fp8_fake_quant(x2, "group" if self.activations == "group" else "token",
                                getattr(layer, self.input_scale_name, None), self.block[1] if self.block else 128)
         return linear(x_sim.to(x.dtype).view(x.shape), self._dequantized(layer), bias, owner=layer)
+
+    def scaled_mm_serves(self, x: torch.Tensor) -> bool:
+        """torch._scaled_mm on the H200: bf16 (or fp16) activations, row-wise scales or 128 x 128 blocks. Otherwise
+        (CPU, float32 models, other blocks) the dequantized path, which computes the same math."""
+        return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.block in (None, (128, 128))
 
     def _dequantized(self, layer) -> torch.Tensor:
         """The weight in the activations' dtype, dequantized once (again after the weight changes)."""
@@ -131,15 +138,18 @@ class Fp8LinearMethod(LinearMethod):
         w, w_scale = layer.weight, getattr(layer, self.scale_name)
         kernels = _kernels()
         if self.activations == "group":
+            rows = x2.shape[0]
+            if rows % 4:  # cuBLASLt's block-scaled GEMM takes M in multiples of 4 (vLLM pads alike)
+                x2 = torch.nn.functional.pad(x2, (0, 0, 0, -rows % 4))
             q, x_scale = kernels.per_token_group_quant_fp8(x2, self.block[1])
-            out = torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
+            out = torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)[:rows]
             if bias is not None:
                 out = out + bias
         else:
             if self.activations == "static":
                 input_scale = getattr(layer, self.input_scale_name)
                 q, _ = kernels.scaled_fp8_quant_per_tensor(x2, input_scale)
-                x_scale = input_scale.expand(x2.shape[0], 1)
+                x_scale = input_scale.expand(x2.shape[0], 1).contiguous()  # row-wise scales: cuBLASLt wants them dense
             else:
                 q, x_scale = kernels.scaled_fp8_quant_per_token(x2)
             out = torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), bias=bias,
