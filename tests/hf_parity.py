@@ -90,6 +90,28 @@ def check_prefix_hits_and_preemption(name: str, path, hf, vocab: int = 256, num_
     _check(name, records, prompts, outs, hf, vocab, atol)
 
 
+def check_two_ranks_decode_as_one(path, abs_logprob: float = 1e-4) -> None:
+    """Tensor parallelism over two CPU ranks (gloo) against one rank: the same greedy tokens, the same top-2
+    logprob tokens, their logprobs within abs_logprob."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 19, 33)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(path, tensor_parallel_size=tp, block_size=4, max_model_len=128, device="cpu",
+                  kv_cache_memory=1 << 22, max_num_batched_tokens=24)
+        try:
+            outs.append(llm.generate(prompts, params, use_tqdm=False))
+        finally:
+            llm.engine.shutdown()
+    for one, two in zip(*outs):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
+        for d1, d2 in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
+            assert list(d2) == list(d1)
+            for tok in d1:
+                assert d2[tok].logprob == pytest.approx(d1[tok].logprob, abs=abs_logprob)
+
+
 def check_prompt_logprobs(name: str, path, hf) -> None:
     llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=8,
               max_model_len=256)

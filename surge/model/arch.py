@@ -1,7 +1,8 @@
 """The architecture contract: what a model class owns and the runner, the scheduler and the loaders ask it for.
 
-A model is built from its ModelConfig (and, once quantization lands, a quantization config). It declares, for the
-rest of the engine:
+A model is built from its ModelConfig; its linear layers then get their quantization's methods by checkpoint name
+(surge/model/quant: `build_model` defers their weights and `quantize_model` creates them). It declares, for the rest
+of the engine:
 - `check_parallel(config, parallel)`: whether tensor/expert parallelism can split it, with errors naming the field;
 - `attention_layers()`: its Attention layers in order; each binds its parameters (heads, scale, window, soft-cap,
   sinks) and declares its KV cache spec, from which the runner builds the KV cache groups and the kernel warm-up;

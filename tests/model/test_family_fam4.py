@@ -8,8 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_parity import check_all
-from surge import LLM, SamplingParams
+from hf_parity import check_all, check_two_ranks_decode_as_one
 from surge.distributed import parallel_state
 from surge.distributed.parallel_state import TPGroup
 from surge.engine.args import read_model_config
@@ -71,24 +70,7 @@ def test_projection_norm_split_over_ranks_equals_the_whole(monkeypatch, tp, num_
 def test_qk_norms_over_two_ranks_match_one_rank(kind, tmp_path):
     """OLMo 2's whole-projection norms (an all-reduce of the sums of squares) and Cohere's per-head norms (split by
     heads) over two ranks (gloo): the same greedy tokens and logprobs as one rank."""
-    path = make_tiny_model(kind, tmp_path / kind)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 19, 33)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    outs = []
-    for tp in (1, 2):
-        llm = LLM(path, tensor_parallel_size=tp, block_size=4, max_model_len=128, device="cpu",
-                  kv_cache_memory=1 << 22, max_num_batched_tokens=24)
-        try:
-            outs.append(llm.generate(prompts, params, use_tqdm=False))
-        finally:
-            llm.engine.shutdown()
-    for one, two in zip(*outs):
-        assert two.outputs[0].token_ids == one.outputs[0].token_ids
-        for d1, d2 in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
-            assert list(d2) == list(d1)
-            for tok in d1:
-                assert d2[tok].logprob == pytest.approx(d1[tok].logprob, abs=1e-4)
+    check_two_ranks_decode_as_one(make_tiny_model(kind, tmp_path / kind))
 
 
 @pytest.mark.parametrize("field, value", [("hidden_act", "gelu"), ("sliding_window", 12)])

@@ -77,8 +77,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     for name, param in model.named_parameters():
         if name in quantized:
             continue
-        if "norm" in name:
-            param.fill_(1.0)
+        if "norm" in name:  # a norm's scale 1, its bias (LayerNorm) 0
+            param.fill_(0.0 if name.endswith("bias") else 1.0)
         else:
             param.normal_(0.0, 0.02, generator=gen)
 
