@@ -1,0 +1,96 @@
+"""Decode's fp8 GEMM: y [M, N] = x [M, K] @ (W fp8 [N, K] * scales).T for a few rows (M <= MAX_ROWS), activations
+left in their dtype (weight-only, as fp8 Marlin runs where no fp8 MMA is used). At batch 1 a linear layer is a
+matrix-vector product that only streams its weight: torch._scaled_mm pads M to a tensor-core tile and needs the
+activations quantized first (one more launch per layer); this kernel reads each weight byte once and multiplies in
+registers.
+
+Scales: per output row (`weight_scale` [N, 1], per-tensor and per-channel checkpoints) applied once per row at the
+end, or per 128 x 128 block ([ceil(N / 128), ceil(K / 128)], DeepSeek / Qwen3-FP8) applied per K tile.
+
+Launch policy (launch_policy): one program per BLOCK_N output rows, the whole K streamed in BLOCK_K steps; BLOCK_N
+16, or 8 when that leaves fewer than two programs per SM. Each step loads a [BLOCK_N, BLOCK_K] fp8 tile (BLOCK_K
+bytes contiguous per row) and the [M_PAD, BLOCK_K] activations, and reduces their product over K in float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4  # up to here the GEMM is the weight's bandwidth; beyond, torch._scaled_mm's tensor cores
+SCALE_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class GemvLaunch:
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def launch_policy(n: int, k: int, num_sms: int = 132) -> GemvLaunch:
+    block_n = 16 if triton.cdiv(n, 16) >= 2 * num_sms else 8
+    return GemvLaunch(block_n, min(SCALE_BLOCK, max(16, triton.next_power_of_2(k))), num_warps=4)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                     stride_om, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[m, n] = sum_k x[m, k] * W[n, k] * scale (+ bias[n]), float32 accumulation."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    cols64 = cols.to(tl.int64)
+    rows = tl.arange(0, M_PAD)
+    row_ok = rows < M
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        w = tl.load(w_ptr + cols64[:, None] * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        if BLOCK_SCALES:  # every tile lies in one 128-column block, and BLOCK_N rows in one 128-row block
+            s = tl.load(scale_ptr + (cols64 // 128) * stride_sn + k0 // 128, mask=col_ok, other=0.0)
+            w = w * s[:, None]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    if not BLOCK_SCALES:
+        acc = acc * tl.load(scale_ptr + cols64 * stride_sn, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+             block_scales: bool = False, launch: GemvLaunch | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS; bf16, fp16 or fp32), weight float8_e4m3fn [N, K], weight_scale float32 [N, 1] or,
+    block_scales, [ceil(N / 128), ceil(K / 128)] -> [M, N] in x's dtype: x @ dequantized(W).T (+ bias)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"fp8_gemv takes up to {MAX_ROWS} rows, got {m}")
+    if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (n, k) or weight.stride(1) != 1:
+        raise ValueError(f"weight must be float8_e4m3fn [N, K={k}] with unit stride on K, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    expected = (triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK)) if block_scales else (n, 1)
+    if tuple(weight_scale.shape) != expected or weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale must be float32 {expected}, got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    launch = launch or launch_policy(n, k)
+    weight_scale = weight_scale.contiguous()
+    _fp8_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
+        x, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k, x.stride(0),
+        weight.stride(0), weight_scale.stride(0), out.stride(0), M_PAD=max(1, triton.next_power_of_2(m)),
+        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, BLOCK_SCALES=block_scales, HAS_BIAS=bias is not None,
+        num_warps=launch.num_warps)
+    return out
