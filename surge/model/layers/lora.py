@@ -15,48 +15,60 @@ import numpy as np
 import torch
 
 
-class LoRAMapping:
-    """The step's tokens grouped by adapter slot: token indices sorted by slot (sorted_tokens), and per group g
-    < max_loras its slot (slot_ids[g], -1: unused), first index in sorted_tokens and token count. The host keeps the
-    same groups as index tensors (the torch path's)."""
+def group_by_slot(token_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Token indices sorted by slot (stable), and the slots >= 0 present with their first index in that order and
+    their token count."""
+    order = np.argsort(token_slot, kind="stable")
+    slots, starts, counts = np.unique(token_slot[order], return_index=True, return_counts=True)
+    keep = slots >= 0
+    return order, slots[keep], starts[keep], counts[keep]
 
-    def __init__(self, max_tokens: int, max_loras: int, device: torch.device) -> None:
+
+class LoRAMapping:
+    """The step's tokens grouped by adapter slot. For the kernels (use_kernels; by default on CUDA), in persistent
+    buffers: token indices sorted by slot (sorted_tokens), and per group g < max_loras its slot (slot_ids[g], -1:
+    unused), first index in sorted_tokens and token count. For the torch path, host index tensors per slot."""
+
+    def __init__(self, max_tokens: int, max_loras: int, device: torch.device,
+                 use_kernels: bool | None = None) -> None:
         self.max_loras = max_loras
         self.device = device
+        self.use_kernels = device.type == "cuda" if use_kernels is None else use_kernels
         self.sorted_tokens = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         # slot_ids, group_start, group_len: one [3, max_loras] buffer filled by one copy.
         self.groups_t = torch.zeros(3, max_loras, dtype=torch.int32, device=device)
         self.groups_t[0].fill_(-1)
         self.slot_ids, self.group_start, self.group_len = self.groups_t.unbind(0)
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # host: (slot, token indices; None: every token)
-        self._staging = [None, None]  # pinned host buffers on CUDA, used in turn (a copy may still read the other)
+        self._staging = [None, None]  # host buffers (pinned on CUDA), used in turn: a copy may still read the other
         self._turn = 0
 
     def set(self, slot_per_request: list[int], num_tokens_per_request: list[int]) -> None:
         """The step's requests, in step order: each one's slot (-1: none) and its token count this step."""
-        num_tokens = sum(num_tokens_per_request)
         token_slot = np.repeat(np.asarray(slot_per_request, dtype=np.int64), num_tokens_per_request)
-        order = np.argsort(token_slot, kind="stable")
-        slots, starts, counts = np.unique(token_slot[order], return_index=True, return_counts=True)
-        keep = slots >= 0
-        slots, starts, counts = slots[keep], starts[keep], counts[keep]
+        self.set_tokens(token_slot)
+
+    def set_tokens(self, token_slot: np.ndarray) -> None:
+        """Each token's slot (-1: none)."""
+        order, slots, starts, counts = group_by_slot(token_slot)
         assert len(slots) <= self.max_loras, (slots, self.max_loras)
-        if self.device.type != "cuda":
-            self.groups = [(int(s), None if c == num_tokens else torch.from_numpy(order[b:b + c]))
+        if not self.use_kernels:
+            self.groups = [(int(s), None if c == len(token_slot) else torch.from_numpy(order[b:b + c]))
                            for s, b, c in zip(slots, starts, counts)]
             return
-        packed = np.zeros(3 * self.max_loras + len(order), dtype=np.int32)
-        packed[:self.max_loras] = -1
         m = self.max_loras
-        packed[:len(slots)], packed[m:m + len(slots)], packed[2 * m:2 * m + len(slots)] = slots, starts, counts
-        packed[3 * m:] = order
+        size = 3 * m + len(order)
         self._turn ^= 1
         staging = self._staging[self._turn]
-        if staging is None or staging.numel() < packed.size:
-            staging = self._staging[self._turn] = torch.empty(max(packed.size, 4096), dtype=torch.int32,
-                                                              pin_memory=True)
-        staging[:packed.size].numpy()[:] = packed
-        dev = staging[:packed.size].to(self.device, non_blocking=True)
+        if staging is None or staging.numel() < size:
+            staging = self._staging[self._turn] = torch.empty(max(size, 4096), dtype=torch.int32,
+                                                              pin_memory=self.device.type == "cuda")
+        packed = staging[:size].numpy()
+        packed[:3 * m] = 0
+        packed[:m] = -1
+        packed[:len(slots)], packed[m:m + len(slots)], packed[2 * m:2 * m + len(slots)] = slots, starts, counts
+        packed[3 * m:] = order
+        dev = staging[:size].to(self.device, non_blocking=True)
         self.groups_t.view(-1).copy_(dev[:3 * m])
         self.sorted_tokens[:len(order)].copy_(dev[3 * m:])
 
@@ -91,8 +103,8 @@ class LinearLoRA:
     def add_(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y += this step's adapters' deltas, token by token."""
         m = self.mapping
-        if y.is_cuda:
-            from surge.kernels.lora import lora_expand, lora_shrink  # Triton, on CUDA only
+        if m.use_kernels:
+            from surge.kernels.lora import lora_expand, lora_shrink  # Triton: CUDA (or its interpreter, in tests)
 
             s = torch.empty(x.shape[0], self.a.shape[1], dtype=torch.float32, device=x.device)
             lora_shrink(x, self.a, s, m.sorted_tokens, m.slot_ids, m.group_start, m.group_len)
