@@ -6,6 +6,7 @@ The scheduler puts at most max_loras distinct adapters in one step, so a step's 
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import torch
@@ -33,6 +34,19 @@ class LoRAManager:
         self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # host memory, least recently used first
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> device slot, least recently used first
         self.free_slots = list(reversed(range(config.max_loras)))
+
+    def warm_up(self) -> float:
+        """Compile the LoRA kernels for every distinct layer shape, at both launch policies (decode, prefill)."""
+        from surge.kernels.lora import DECODE_MAX_TOKENS
+
+        start = time.perf_counter()
+        shapes = {}
+        for layer in self.layers.values():
+            shapes.setdefault((tuple(layer.a.shape), tuple(layer.b.shape), tuple(layer.slices)), layer)
+        for layer in shapes.values():
+            for num_tokens in (1, DECODE_MAX_TOKENS + 1):
+                layer.warm_up(num_tokens, self.dtype)
+        return time.perf_counter() - start
 
     def set_step(self, requests: list[LoRARequest | None], num_tokens: list[int]) -> None:
         """The step's requests' adapters (in step order) into slots, and their tokens' mapping."""

@@ -193,6 +193,8 @@ class ModelRunner:
         if self.samples:  # the rank that samples: the top-k/top-p kernel for the model's dtype and float32
             seconds += self.sampler.warm_up(self.device, sc.max_num_seqs, mc.vocab_size, mc.dtype,
                                             max_workers=self.config.warmup_workers)
+        if self.lora is not None and self.lora.mapping.use_kernels:
+            seconds += self.lora.warm_up()
         spec = self.config.speculative_config
         if spec is not None and self.config.scheduler_config.async_scheduling and self.device.type == "cuda":
             start = time.perf_counter()  # the kernels of steps scheduled ahead of their verdict: one variant each

@@ -97,3 +97,15 @@ def test_launch_policy_boundaries():
     assert expand_policy(DECODE_MAX_TOKENS, 4096, 16).block_n == 128
     assert expand_policy(DECODE_MAX_TOKENS + 1, 4096, 16).block_n == 64
     assert expand_policy(1, 8, 16).block_n == 16
+
+
+def test_warm_up_compiles_without_touching_the_step_mapping(device):
+    from surge.kernels.lora import DECODE_MAX_TOKENS
+
+    layer = _layer(32, [(0, 16), (16, 8)], 2, 16, torch.float32, device)
+    layer.mapping = LoRAMapping(64, 2, device, use_kernels=True)
+    layer.mapping.set_tokens(np.array([0, 1, 1, 0, -1]))  # a live step's mapping: left as it is
+    before = layer.mapping.groups_t.clone()
+    for num_tokens in (1, DECODE_MAX_TOKENS + 1):
+        layer.warm_up(num_tokens, torch.float32)
+    assert torch.equal(layer.mapping.groups_t, before)

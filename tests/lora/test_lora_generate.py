@@ -65,7 +65,10 @@ def _mixed_batch(prompts, names, requests):
     dict(max_loras=1, max_cpu_loras=1),  # one adapter per step, swapped in and out of slot and host memory
     dict(max_loras=2, max_num_batched_tokens=7),  # chunked prefill
     dict(max_loras=3, num_gpu_blocks_override=17, max_num_seqs=16),  # preemption
-], ids=["all", "swap", "chunked", "preempt"])
+    dict(max_loras=3, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_min": 1}),  # drafts verified under each adapter
+    dict(max_loras=2, tensor_parallel_size=2),  # A and B sharded as the base layers
+], ids=["all", "swap", "chunked", "preempt", "ngram", "tp2"])
 def test_mixed_batch_matches_hf_merged(base_dir, adapters, expected, engine):
     prompts, reference = expected
     requests = _requests(adapters)
@@ -77,6 +80,9 @@ def test_mixed_batch_matches_hf_merged(base_dir, adapters, expected, engine):
         assert out.outputs[0].token_ids == reference[name][i], (i, name)
     if "num_gpu_blocks_override" in engine:
         assert llm.engine.scheduler.num_preemptions > 0
+    if "speculative_config" in engine:
+        stats = llm.engine.scheduler.spec_stats
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
 
 
 def test_one_adapter_for_every_prompt_and_chat(base_dir, adapters, expected):

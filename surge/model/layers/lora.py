@@ -100,6 +100,20 @@ class LinearLoRA:
             self.a[slot, j * r_max:j * r_max + r].copy_(a)
             self.b[slot, offset:offset + size, :r].copy_(b)
 
+    def warm_up(self, num_tokens: int, dtype: torch.dtype) -> None:
+        """Compile the kernels for this layer's shapes at num_tokens' launch policy, over a mapping of its own with
+        no adapter (the step's may be in use: under background graph capture the engine serves meanwhile)."""
+        from surge.kernels.lora import lora_expand, lora_shrink
+
+        m = LoRAMapping(1, self.mapping.max_loras, self.mapping.device, use_kernels=True)
+        device = self.a.device
+        x = torch.zeros(num_tokens, self.a.shape[2], dtype=dtype, device=device)
+        y = torch.zeros(num_tokens, self.b.shape[1], dtype=dtype, device=device)
+        s = torch.empty(num_tokens, self.a.shape[1], dtype=torch.float32, device=device)
+        lora_shrink(x, self.a, s, m.sorted_tokens, m.slot_ids, m.group_start, m.group_len)
+        lora_expand(s, self.b, y, self.slice_offsets, self.max_slice, m.sorted_tokens, m.slot_ids, m.group_start,
+                    m.group_len)
+
     def add_(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y += this step's adapters' deltas, token by token."""
         m = self.mapping
