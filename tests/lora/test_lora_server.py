@@ -81,6 +81,13 @@ def test_completions_run_each_adapter(server, tiny_model_dir, adapters):
     assert reply.model == "attn"
 
 
+def test_lora_requests_info_metric(server):
+    _complete(server.client(), "r8")
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'surge:lora_requests_info{max_lora="2",' in text
+    assert 'running_lora_adapters="r8"' in text or 'waiting_lora_adapters="r8"' in text
+
+
 def test_unknown_adapter_is_404(server):
     with pytest.raises(openai.NotFoundError) as e:
         _complete(server.client(), "nope")
