@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from surge.config import LoRAConfig
-from surge.lora.peft import LoRAAdapter, _adaptable, load_adapter
+from surge.lora.peft import LoRAAdapter, is_adaptable, load_adapter
 from surge.lora_request import LoRARequest
 from surge.model.layers.lora import LinearLoRA, LoRAMapping
 
@@ -27,7 +27,7 @@ class LoRAManager:
         self.mapping = LoRAMapping(max_tokens, config.max_loras, device)
         self.layers: dict[str, LinearLoRA] = {}
         for name, module in model.named_modules():
-            if _adaptable(module):
+            if is_adaptable(module):
                 module.lora = LinearLoRA(module.in_features, module.lora_slices(), config.max_loras,
                                          config.max_lora_rank, self.mapping, dtype, device)
                 self.layers[name] = module.lora

@@ -93,12 +93,12 @@ def read_adapter_config(path: str | Path, max_lora_rank: int | None = None) -> A
 
 def linear_target_names(model: nn.Module) -> set[str]:
     """The module names (last component, as the checkpoint writes them) an adapter may target in this model."""
-    leaves = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _adaptable(m)}
+    leaves = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if is_adaptable(m)}
     packed = {ckpt for ckpt, (param, _) in model.weight_mapper.packed.items() if param in leaves}
     return leaves | packed
 
 
-def _adaptable(module: nn.Module) -> bool:
+def is_adaptable(module: nn.Module) -> bool:
     return isinstance(module, Linear) and module.quantizable
 
 
@@ -165,7 +165,7 @@ def load_adapter(path: str | Path, model: nn.Module, max_lora_rank: int | None =
         mapped = model.checkpoint_name_to_param(ckpt_module + ".weight")
         layer_name = mapped[0].rsplit(".", 1)[0] if mapped is not None else None
         layer = modules.get(layer_name) if layer_name is not None else None
-        if layer is None or not _adaptable(layer):
+        if layer is None or not is_adaptable(layer):
             raise _unsupported(where, f"target {ckpt_module!r} (not a linear layer of this model: LoRA applies to "
                                       "the attention and MLP projections)")
         b = b.float() * config.scaling
