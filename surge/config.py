@@ -594,6 +594,33 @@ CUDA_GRAPH_CAPTURE_MODES = ("background", "startup")
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving: up to max_loras adapters in the device's slot pool (so in one step), each of rank up to
+    max_lora_rank; max_cpu_loras adapters kept loaded in host memory (least recently used evicted)."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} is above the largest supported, {MAX_LORA_RANK}")
+        if self.max_cpu_loras is not None and not (isinstance(self.max_cpu_loras, int)
+                                                   and self.max_cpu_loras >= self.max_loras):
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras!r} must be an integer >= max_loras={self.max_loras}")
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+MAX_LORA_RANK = 512
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -613,6 +640,7 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora_config: LoRAConfig | None = None  # None: no LoRA adapters (the base model's layers untouched)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.warmup_workers, int) and 1 <= self.warmup_workers <= 64):

@@ -64,7 +64,16 @@ def _triton_key_cache() -> bool:
     return os.environ.get("SURGE_TRITON_KEY_CACHE", "1") not in ("0", "false", "False", "")
 
 
+def _allow_runtime_lora_updating() -> bool:
+    """SURGE_ALLOW_RUNTIME_LORA_UPDATING (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): `surge serve` answers
+    /v1/load_lora_adapter and /v1/unload_lora_adapter, which read adapter directories on the server's disk. 1 or
+    true turns them on. Default: off (both answer 404)."""
+    value = os.environ.get("SURGE_ALLOW_RUNTIME_LORA_UPDATING") or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    return (value or "").strip().lower() in ("1", "true")
+
+
 _GETTERS = {
+    "SURGE_ALLOW_RUNTIME_LORA_UPDATING": _allow_runtime_lora_updating,
     "SURGE_API_KEY": _api_key,
     "SURGE_CACHE_DIR": _cache_dir,
     "ONEDNN_MAX_CPU_ISA": _onednn_max_cpu_isa,

@@ -8,6 +8,7 @@ import enum
 import time
 
 from surge.core.kv_cache.hashing import hash_block_tokens
+from surge.lora_request import LoRARequest
 from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams
 
@@ -46,13 +47,18 @@ class TokenSequence:
 
 class Request(TokenSequence):
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
-                 arrival_time: float | None = None, pooling_params: PoolingParams | None = None) -> None:
-        """pooling_params: a pooling request (its params have max_tokens=0: the prompt only)."""
+                 arrival_time: float | None = None, pooling_params: PoolingParams | None = None,
+                 lora_request: LoRARequest | None = None) -> None:
+        """pooling_params: a pooling request (its params have max_tokens=0: the prompt only); lora_request: the
+        adapter it runs with (None: the base model)."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.params = params
         self.pooling_params = pooling_params
+        self.lora_request = lora_request
+        # The adapter keys every block's hash: the same tokens under another adapter have other KV.
+        self._hash_keys = () if lora_request is None else (lora_request.cache_key,)
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV a launched step computes (advanced when it is scheduled)
@@ -92,4 +98,4 @@ class Request(TokenSequence):
         bs = self.block_size
         for i in range(len(self.block_hashes), len(self.token_ids) // bs):
             parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(hash_block_tokens(parent, self.token_ids[i * bs:(i + 1) * bs]))
+            self.block_hashes.append(hash_block_tokens(parent, self.token_ids[i * bs:(i + 1) * bs], self._hash_keys))

@@ -28,8 +28,10 @@ from surge.core.spec_decode_stats import SpecDecodingStats
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  connector: SchedulerConnector | None = None, num_lookahead_tokens: int = 0,
-                 num_device_drafts: int = 0) -> None:
+                 num_device_drafts: int = 0, max_loras: int = 0) -> None:
         self.config = config
+        # LoRA: at most this many distinct adapters among the running requests (so in any step); 0: no LoRA.
+        self.max_loras = max_loras
         # k when the runner proposes drafts on the device after every sampling step (surge/spec_decode/ngram.py
         # DeviceNgram): a request may then be scheduled ahead of its verdict (_num_ahead_drafts).
         self.num_device_drafts = num_device_drafts
@@ -112,11 +114,18 @@ class Scheduler:
                 continue
             break  # req itself was preempted: nothing after it remains
 
-        # 2. Waiting requests, in arrival order (preempted ones were put back at the front).
+        # 2. Waiting requests, in arrival order (preempted ones were put back at the front). One whose adapter would
+        # exceed max_loras distinct adapters among the running waits, without holding up those behind it.
+        skipped: list[Request] = []
+        adapters = self._running_adapters() if self.max_loras else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if out.preempted_ids:
                 break  # memory is tight this step; admitting more would only thrash
             req = self.waiting[0]
+            lora = req.lora_request
+            if lora is not None and lora.lora_int_id not in adapters and len(adapters) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             if req.num_pending_tokens:
                 break  # preempted while a step computing its next token is in flight: resume once it arrives
             hit, num_hit = ([], 0)
@@ -152,8 +161,11 @@ class Scheduler:
             req.num_computed_tokens += num_external
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
             scheduled[req.request_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         for req in self.running:
             num_new = scheduled.get(req.request_id)
@@ -173,6 +185,9 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _running_adapters(self) -> set[int]:
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def _num_lookahead(self, end: int, num_tokens: int) -> int:
         """Slots past a step's end for the draft model's proposals: only when the step samples, within
@@ -214,7 +229,8 @@ class Scheduler:
         rid = req.request_id
         known = self._runner_tokens.get(rid)
         if known is None:
-            out.new_requests.append(NewRequest(rid, req.prompt_token_ids, req.params, req.pooling_params))
+            out.new_requests.append(NewRequest(rid, req.prompt_token_ids, req.params, req.pooling_params,
+                                               req.lora_request))
             known = req.num_prompt_tokens
         self._runner_tokens[rid] = req.num_tokens
         starts, block_ids = self.kv.take_block_changes(rid)

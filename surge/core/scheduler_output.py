@@ -10,6 +10,7 @@ import msgspec
 # gc=False: a step creates one struct per scheduled request and none can take part in a reference cycle, so the
 # garbage collector need not track them (fewer collections on the hot path).
 
+from surge.lora_request import LoRARequest
 from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams
 
@@ -20,6 +21,7 @@ class NewRequest(msgspec.Struct, array_like=True, gc=False):
     prompt_token_ids: list[int]
     params: SamplingParams
     pooling_params: PoolingParams | None = None  # a pooling request: the runner pools its prompt's hidden states
+    lora_request: LoRARequest | None = None  # the adapter its tokens run with (None: the base model)
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -16,7 +16,7 @@ import torch
 
 import surge.weight_cache.ipc_loader  # noqa: F401 (registers the weight_cache load format)
 from surge.config import (CUDA_GRAPH_CAPTURE_MODES, RUNNERS, WEIGHT_CACHE_MODES, CacheConfig, EngineConfig,
-                          KVTransferConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
+                          KVTransferConfig, LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
                           SpeculativeConfig, StructuredOutputsConfig, WeightCacheConfig)
 from surge.engine.sentence_transformers_config import read_pooler_config
 from surge.model.loader.base import load_formats
@@ -86,6 +86,12 @@ class EngineArgs:
     # Online quantization of an unquantized checkpoint ("fp8": per-channel weights, per-token activations); a
     # quantized checkpoint brings its own (quantization_config), which this may only name again.
     quantization: str | None = None
+    # LoRA adapters per request (LLM.generate(lora_request=...), the server's --lora-modules): up to max_loras of
+    # them in one step, of rank up to max_lora_rank; max_cpu_loras loaded in host memory (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     # ---- command line ----
     @staticmethod
@@ -149,6 +155,12 @@ class EngineArgs:
         g.add_argument("--reasoning-parser", default=d.reasoning_parser, choices=sorted(REASONING_MARKERS),
                        help="the model writes reasoning between these markers: the server returns it as "
                        "reasoning_content, and structured output constrains only the text after it")
+        g = p.add_argument_group("LoRA adapters")
+        g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) per request")
+        g.add_argument("--max-loras", type=int, default=d.max_loras, help="adapters in one step (device slots)")
+        g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank")
+        g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+                       help="adapters kept loaded in host memory (default: --max-loras)")
         g = p.add_argument_group("KV transfer (reuse prefixes across restarts and instances)")
         g.add_argument("--kv-transfer-config", default=d.kv_transfer_config, help="a KV connector as JSON, e.g. "
                        "'{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
@@ -229,7 +241,16 @@ class EngineArgs:
             kv_transfer_config=self.create_kv_transfer_config(),
             speculative_config=self.create_speculative_config(model_config, device),
             structured_outputs_config=self.create_structured_outputs_config(),
+            lora_config=self.create_lora_config(),
         )
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+                if getattr(self, name) != getattr(EngineArgs, name):
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs enable_lora=True (--enable-lora)")
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def create_structured_outputs_config(self) -> StructuredOutputsConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_MARKERS:

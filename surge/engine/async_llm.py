@@ -20,6 +20,8 @@ from surge.engine.input_processor import InputProcessor, Prompt, load_tokenizer
 from surge.engine.messages import AbortRequests, AddRequest, EngineCoreOutputs, StopRequests, UtilityCall
 from surge.engine.output_processor import IterationStats, OutputKind, OutputProcessor
 from surge.logger import init_logger
+from surge.lora.checker import AdapterChecker
+from surge.lora_request import LoRARequest
 from surge.engine.pooling import PROMPT_ONLY
 from surge.outputs import PoolingRequestOutput, RequestOutput
 from surge.pooling_params import PoolingParams
@@ -46,6 +48,7 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(config.model_config.model)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.adapters = AdapterChecker(config)
         self.stats_observers = list(stats_observers or [])
         self.core = CoreClient(config, startup_timeout)
         self.last_stats: SchedulerStats | None = None
@@ -72,13 +75,14 @@ class AsyncLLM:
 
     # ---- requests ----
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                       output_kind: OutputKind = OutputKind.DELTA, pooling_params: PoolingParams | None = None
+                       output_kind: OutputKind = OutputKind.DELTA, pooling_params: PoolingParams | None = None,
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Stream a request's outputs until it finishes. Closing or cancelling the iterator aborts the request
         (its KV blocks are freed). Raises RequestFailedError or EngineDeadError when the engine cannot finish it.
         With pooling_params (a pooling model; params are then ignored): one PoolingRequestOutput."""
         request_id = request_id or f"req-{next(self._request_ids)}"
-        queue = await self.add_request(request_id, prompt, params, output_kind, pooling_params)
+        queue = await self.add_request(request_id, prompt, params, output_kind, pooling_params, lora_request)
         finished = False
         try:
             while True:
@@ -97,11 +101,15 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                           output_kind: OutputKind = OutputKind.DELTA,
-                          pooling_params: PoolingParams | None = None) -> asyncio.Queue:
+                          pooling_params: PoolingParams | None = None,
+                          lora_request: LoRARequest | None = None) -> asyncio.Queue:
+        """lora_request: the adapter the request runs with (checked here: a bad one is a ValueError)."""
         if self.core.dead_error is not None:
             raise self.core.dead_error
         if request_id in self._queues:
             raise ValueError(f"request_id={request_id!r} is already in use")
+        if lora_request is not None:
+            self.adapters.check(lora_request)
         self._start_output_handler()
         arrival = time.monotonic()
         text, token_ids = self.input_processor.tokenize(prompt)
@@ -112,7 +120,7 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, text, token_ids, children, output_kind, arrival, pooling)
         try:
             for child_id, child_params in children:
-                await self.core.send(AddRequest(child_id, token_ids, child_params, pooling_params))
+                await self.core.send(AddRequest(child_id, token_ids, child_params, pooling_params, lora_request))
         except BaseException:
             await self.abort(request_id)
             raise

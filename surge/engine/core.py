@@ -69,6 +69,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # LoRA: the adapters of the running and of the waiting requests, by name (vLLM's lora_requests_info labels).
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCore:
@@ -91,7 +94,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
                                    num_lookahead_tokens=sc.num_speculative_tokens
                                    if sc is not None and sc.method == "draft_model" else 0,
-                                   num_device_drafts=sc.num_speculative_tokens if device_drafts else 0)
+                                   num_device_drafts=sc.num_speculative_tokens if device_drafts else 0,
+                                   max_loras=config.lora_config.max_loras if config.lora_config else 0)
         # Host n-gram drafts are looked up here; a draft model's, and device ones, come with each step's output.
         self.proposer = NgramProposer(sc) if sc is not None and sc.method == "ngram" and not device_ngram else None
         self.speculates = sc is not None
@@ -181,6 +185,9 @@ class EngineCore:
             stats.kv_load_seconds, stats.kv_save_seconds, stats.kv_storage_usage = (
                 c.load_seconds, c.save_seconds, c.pool_usage)
             stats.kv_failures = c.failures  # failed or partial loads (recomputed) and store errors
+        if self.config.lora_config is not None:
+            stats.running_lora_adapters = _adapter_names(self.scheduler.running)
+            stats.waiting_lora_adapters = _adapter_names(self.scheduler.waiting)
         if self.speculates:
             sd = self.scheduler.spec_stats
             stats.spec_num_drafts, stats.spec_num_draft_tokens = sd.num_drafts, sd.num_draft_tokens
@@ -303,6 +310,10 @@ class EngineCore:
                 kv_transfer_params=req.kv_transfer_params if req.is_finished else None,
                 pooling_output=result.pooler_output.get(rid)))
         return outputs
+
+
+def _adapter_names(requests) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
 
 
 def _structured_output_manager(config: EngineConfig) -> StructuredOutputManager:

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from surge.engine.core import EngineCoreOutput, SchedulerStats
+from surge.lora_request import LoRARequest
 from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams
 
@@ -17,6 +18,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams  # one sample: n > 1 is fanned out by the front end
     pooling_params: PoolingParams | None = None  # a pooling request (params: the prompt only)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -21,6 +21,8 @@ from surge.engine.pooling import (PROMPT_ONLY, check_generation, check_pooling_t
                                   pooling_params_for, score_pairs)
 from surge.engine.sentence_transformers_config import default_prompt
 from surge.core.request import Request, RequestStatus
+from surge.lora.checker import AdapterChecker
+from surge.lora_request import LoRARequest
 from surge.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
                            RequestOutput, ScoringRequestOutput)
 from surge.pooling_params import PoolingParams
@@ -38,19 +40,23 @@ class LLM:
         self._ids = itertools.count()
         # sentence-transformers' default prompt, put before every text to embed, as its encode() does
         self._embed_prompt = default_prompt(self.config.model_config.model)
+        self._adapters = AdapterChecker(self.config)
 
     # ---- generation ----
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, {"prompt": ...} / {"prompt_token_ids": ...}, or a list of these."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, {"prompt": ...} / {"prompt_token_ids": ...}, or a list of these.
+        lora_request: the adapter of every prompt, or one per prompt (None: the base model)."""
         check_generation(self.config.model_config, "LLM.generate")
         prompts = _prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompts))
+        loras = self._loras_per_prompt(lora_request, len(prompts))
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
-                request_ids.append(self._add_request(prompt, params))
+            for prompt, params, lora in zip(prompts, params_list, loras):
+                request_ids.append(self._add_request(prompt, params, lora))
         except Exception:
             for rid in request_ids:
                 self.abort(rid)
@@ -59,14 +65,15 @@ class LLM:
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
+             use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             add_generation_prompt: bool = True, chat_template: str | None = None,
              **template_kwargs) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         prompts = [self.render_chat(conv, add_generation_prompt, chat_template, **template_kwargs)
                    for conv in messages]
-        return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm)
+        return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm, lora_request)
 
     # ---- pooling (runner="pooling") ----
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, *,
@@ -171,7 +178,20 @@ class LLM:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries but there are {n} prompts")
         return sampling_params
 
-    def _add_request(self, prompt: Prompt, params: SamplingParams) -> str:
+    def _loras_per_prompt(self, lora_request, n: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each checked before any request is added."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * n
+        else:
+            loras = list(lora_request)
+            if len(loras) != n:
+                raise ValueError(f"lora_request has {len(loras)} entries but there are {n} prompts")
+        for lora in dict.fromkeys(loras):
+            if lora is not None:
+                self._adapters.check(lora)
+        return loras
+
+    def _add_request(self, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None = None) -> str:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self.input_processor.tokenize(prompt)
@@ -181,7 +201,7 @@ class LLM:
         try:
             for child_id, child_params in children:
                 self.engine.add_request(Request(child_id, token_ids, child_params,
-                                                self.config.cache_config.block_size))
+                                                self.config.cache_config.block_size, lora_request=lora))
                 added.append(child_id)
         except Exception:
             self.engine.abort_requests(added)

@@ -27,6 +27,7 @@ from surge.kernels.token_bitmask import apply_token_bitmask_, bitmask_to_device
 from surge.kernels.triton_key import use_cached_triton_key
 from surge.kv_transfer.base import KVConnectorRole
 from surge.kv_transfer.factory import create_connector
+from surge.lora.manager import LoRAManager
 from surge.logger import init_logger
 from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs, device_tensor
 from surge.model.loader.base import build_model, load_model
@@ -150,6 +151,11 @@ class ModelRunner:
         self.inputs = StepInputs(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs,
                                  -(-mc.max_model_len // cc.block_size), len(self.kv_cache_config.groups),
                                  cc.block_size, self.device)
+        # LoRA: slot pools on the linear layers, and each step's token -> slot mapping (graphs capture its buffers).
+        self.lora = None
+        if config.lora_config is not None:
+            self.lora = LoRAManager(self.model, config.lora_config, self.inputs.input_ids.shape[0], mc.dtype,
+                                    self.device)
         if self.device.type == "cuda":
             use_cached_triton_key()  # before the process's first Triton compile, on whichever thread that is
         self.graph_runner: CUDAGraphRunner | None = None
@@ -187,6 +193,8 @@ class ModelRunner:
         if self.samples:  # the rank that samples: the top-k/top-p kernel for the model's dtype and float32
             seconds += self.sampler.warm_up(self.device, sc.max_num_seqs, mc.vocab_size, mc.dtype,
                                             max_workers=self.config.warmup_workers)
+        if self.lora is not None and self.lora.mapping.use_kernels:
+            seconds += self.lora.warm_up()
         spec = self.config.speculative_config
         if spec is not None and self.config.scheduler_config.async_scheduling and self.device.type == "cuda":
             start = time.perf_counter()  # the kernels of steps scheduled ahead of their verdict: one variant each
@@ -295,6 +303,8 @@ class ModelRunner:
             scheduled, states, self._last_sampled, self._last_rows,
             mixed_padding=graphs.mixed_padding if graphs is not None else None, ahead=self._ahead,
             exact_host_lengths=not self.backend.supports_cuda_graphs)
+        if self.lora is not None:
+            self.lora.set_step([state.lora_request for state in states], [s.num_new_tokens for s in scheduled])
         max_query_len = max(s.num_new_tokens for s in scheduled)
         meta = self.inputs.metadata(self.backend, num_tokens, num_reqs, query_start_loc, seq_lens, max_query_len,
                                     max(seq_lens))

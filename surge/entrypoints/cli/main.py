@@ -63,11 +63,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from surge import envs
     from surge.entrypoints.openai.app import run_server
+    from surge.entrypoints.openai.lora import parse_lora_modules
     from surge.entrypoints.openai.options import ServerOptions
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     run_server(EngineArgs.from_cli_args(args), host=args.host, port=args.port,
                api_key=args.api_key or envs.SURGE_API_KEY, served_model_names=args.served_model_name,
                log_level=args.log_level, access_log=not args.no_access_log, metrics_prefix=args.metrics_prefix,
-               options=ServerOptions.from_cli_args(args))
+               options=ServerOptions.from_cli_args(args), lora_modules=lora_modules)
     return 0
 
 
@@ -172,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
     g.add_argument("--metrics-prefix", default="surge", help="prefix of the /metrics names (default: surge); "
                    "'vllm' gives vLLM's exact names, for its dashboards and alerts")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served under their name (a request's model), as name=path or JSON "
+                   "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; needs --enable-lora")
     from surge.entrypoints.openai.options import ServerOptions
     ServerOptions.add_cli_args(p)
     p.set_defaults(func=cmd_serve, cuda_graph_capture="background")  # the engine core's process runs only it

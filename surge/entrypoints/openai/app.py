@@ -20,6 +20,7 @@ from surge.entrypoints.openai.chat import ChatHandler
 from surge.entrypoints.openai.completions import CompletionsHandler
 from surge.entrypoints.openai.errors import APIError
 from surge.entrypoints.openai.guard import ApiKeyMiddleware, InternalErrorMiddleware, error_response, read_json
+from surge.entrypoints.openai.lora import LoRAHandler, LoRAModulePath
 from surge.engine.pooling import WrongRunnerError, check_generation
 from surge.entrypoints.openai.metrics import PrometheusMetrics, check_metrics_prefix
 from surge.entrypoints.openai.pooling import PoolingHandler
@@ -45,9 +46,13 @@ _error = error_response
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              metrics: PrometheusMetrics | None = None, options: ServerOptions | None = None) -> Starlette:
+              metrics: PrometheusMetrics | None = None, options: ServerOptions | None = None,
+              lora_modules: list[LoRAModulePath] | None = None) -> Starlette:
     options = options or ServerOptions()
     serving = OpenAIServing(engine, served_model_names, options)
+    loras = LoRAHandler(serving, served_model_names[0])
+    for module in lora_modules or []:
+        loras.add(module.name, module.path, module.base_model_name)
     limits = options.limits
     completions, chat, responses = CompletionsHandler(serving), ChatHandler(serving), ResponsesHandler(serving)
     pooling = PoolingHandler(serving)
@@ -78,16 +83,18 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         return _json({"version": __version__})
 
     def card(name: str) -> ModelCard:
+        lora = serving.loras.get(name)
+        if lora is not None:  # as vLLM lists an adapter: its path as root, the base model as parent
+            return ModelCard(name, created, serving.max_model_len, lora.lora_path,
+                             parent=lora.base_model_name or served_model_names[0])
         return ModelCard(name, created, serving.max_model_len, engine.config.model_config.model)
 
     async def models(request: Request) -> Response:
-        return _json(ModelList([card(name) for name in served_model_names]))
+        return _json(ModelList([card(name) for name in [*served_model_names, *serving.loras]]))
 
     async def model(request: Request) -> Response:
         name = request.path_params["model"]  # may hold slashes: org/model
-        if name not in served_model_names:
-            raise APIError(404, f"the model {name!r} does not exist; served: {', '.join(served_model_names)}",
-                           param="model", code="model_not_found")
+        serving.check_model(name)
         return _json(card(name))
 
     async def tokenize(request: Request) -> Response:
@@ -141,6 +148,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/metrics", prometheus, methods=["GET"]),
+            Route("/v1/load_lora_adapter", loras.load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", loras.unload, methods=["POST"]),
         ],
         # Anything else is InternalErrorMiddleware's: a handler for Exception would be Starlette's outermost
         # middleware, which re-raises after answering and so drops the client's keep-alive connection.
@@ -156,7 +165,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
 def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | None, served_model_names: list[str] | None,
                log_level: str = "info", access_log: bool = True, metrics_prefix: str = "surge",
-               options: ServerOptions | None = None) -> None:
+               options: ServerOptions | None = None, lora_modules: list[LoRAModulePath] | None = None) -> None:
     import uvicorn
 
     check_metrics_prefix(metrics_prefix)
@@ -167,7 +176,7 @@ def run_server(engine_args: EngineArgs, host: str, port: int, api_key: str | Non
     try:
         metrics = PrometheusMetrics(names[0], config, engine.core.ready.num_kv_blocks, metrics_prefix)
         engine.stats_observers.append(metrics)
-        app = build_app(engine, names, api_key, metrics, options)
+        app = build_app(engine, names, api_key, metrics, options, lora_modules)
         logger.info("serving %s as %s on http://%s:%d", config.model_config.model, ", ".join(names), host, port)
         uvicorn.run(app, host=host, port=port, loop="uvloop", http="httptools", log_level=log_level,
                     access_log=access_log, timeout_graceful_shutdown=5)

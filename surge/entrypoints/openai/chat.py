@@ -62,12 +62,12 @@ class ChatHandler:
         request_id = random_id("chatcmpl-")
         if req.stream:
             try:
-                outputs = await s.start(token_ids, params, request_id)
+                outputs = await s.start(token_ids, params, request_id, lora_request=s.lora_request(model))
             except Exception as e:
                 raise engine_error(e, grammar_param) from None
             return StreamingResponse(self._stream(req, model, request_id, token_ids, params, outputs, tools,
                                                   grammar_param), media_type="text/event-stream")
-        [out] = await s.run_to_end(http, [(token_ids, params)], request_id, grammar_param)
+        [out] = await s.run_to_end(http, [(token_ids, params)], request_id, grammar_param, s.lora_request(model))
         choices = []
         for c in out.outputs:
             parser = self.parser(tools)

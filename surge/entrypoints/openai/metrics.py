@@ -151,6 +151,12 @@ class PrometheusMetrics:
         info.update(num_gpu_blocks=str(num_gpu_blocks), engine="0")
         Gauge(f"{prefix}:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
               registry=r).labels(**info).set(1)
+        # LoRA, as vLLM reports it: the adapters running and waiting in the labels, the time of the report as value.
+        self.lora_info = None
+        if config.lora_config is not None:
+            self.max_lora = str(config.lora_config.max_loras)
+            self.lora_info = Gauge(f"{prefix}:lora_requests_info", "Running stats on lora requests.",
+                                   ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
         self._last: SchedulerStats | None = None
 
     def __call__(self, stats: SchedulerStats | None, iteration: IterationStats) -> None:
@@ -173,6 +179,10 @@ class PrometheusMetrics:
                 before = last.spec_accepted_per_pos if last else []
                 for j, count in enumerate(stats.spec_accepted_per_pos[:len(self.spec_per_pos)]):
                     self.spec_per_pos[j].inc(count - (before[j] if j < len(before) else 0))
+            if self.lora_info is not None:
+                self.lora_info.labels(max_lora=self.max_lora,
+                                      waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
+                                      running_lora_adapters=",".join(stats.running_lora_adapters)).set_to_current_time()
             self._last = stats
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
         self.generation_tokens.inc(iteration.num_generation_tokens)

@@ -93,13 +93,13 @@ class ResponsesHandler:
         response_id = random_id("resp_")
         if req.stream:
             try:
-                outputs = await s.start(token_ids, params, response_id)
+                outputs = await s.start(token_ids, params, response_id, lora_request=s.lora_request(model))
             except Exception as e:
                 raise engine_error(e, grammar_param) from None
             return StreamingResponse(stream_events(self, req, model, response_id, token_ids, params, outputs,
                                                    self.parser(tools), grammar_param),
                                      media_type="text/event-stream")
-        [out] = await s.run_to_end(http, [(token_ids, params)], response_id, grammar_param)
+        [out] = await s.run_to_end(http, [(token_ids, params)], response_id, grammar_param, s.lora_request(model))
         c = out.outputs[0]
         parser = self.parser(tools)
         output = output_items(parser.parse(c.text), _item_status(c.finish_reason), self._logprobs(c, params))

@@ -25,6 +25,7 @@ from surge.entrypoints.openai.limits import INT64_MAX, INT64_MIN, check_int_rang
 from surge.entrypoints.openai.options import ServerOptions
 from surge.entrypoints.openai.protocol import ChatMessage, SamplingFields, TokenLogprob, TopLogprob
 from surge.entrypoints.openai.tools import template_tool_calls
+from surge.lora_request import LoRARequest
 from surge.outputs import CompletionOutput, Logprob, RequestOutput
 from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams, StructuredOutputsParams
@@ -114,16 +115,22 @@ class OpenAIServing:
         self.model_names = served_model_names
         self.max_model_len = engine.config.scheduler_config.max_model_len
         self.tokenizer = engine.tokenizer
+        self.loras: dict[str, LoRARequest] = {}  # LoRA adapters served by name (a request's `model`)
 
     # ---- checks ----
     def check_model(self, model: str | None) -> str:
         """The name to answer with; a request without a model gets the first served name."""
         if self.engine.dead_error is not None:
             raise engine_error(self.engine.dead_error)
-        if model is None or model in self.model_names:
+        if model is None or model in self.model_names or model in self.loras:
             return model or self.model_names[0]
-        raise APIError(404, f"the model {model!r} does not exist; served: {', '.join(self.model_names)}",
+        served = [*self.model_names, *self.loras]
+        raise APIError(404, f"the model {model!r} does not exist; served: {', '.join(served)}",
                        param="model", code="model_not_found")
+
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """The adapter a checked model name stands for (None: the base model)."""
+        return self.loras.get(model)
 
     def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, max_tokens_param: str,
                       prompt_param: str, allow_zero: bool = False) -> int:
@@ -262,26 +269,31 @@ class OpenAIServing:
 
     # ---- running ----
     async def start(self, token_ids: list[int], params: SamplingParams, request_id: str,
-                    prompt_text: str | None = None) -> RequestStream:
+                    prompt_text: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """Adds the request now, so that one the engine refuses is an HTTP error before a stream begins; then its
         outputs as they come. A request with a grammar waits for its first output: the core compiles the grammar
         and may refuse it."""
         prompt = {"prompt_token_ids": token_ids, "prompt": prompt_text}
-        queue = await self.engine.add_request(request_id, prompt, params, OutputKind.DELTA)
+        try:
+            queue = await self.engine.add_request(request_id, prompt, params, OutputKind.DELTA,
+                                                  lora_request=lora_request)
+        except ValueError as e:
+            raise bad_request(str(e), param="model" if lora_request is not None else None) from None
         stream = RequestStream(self.engine, request_id, queue)
         if params.structured_outputs is not None:
             await stream.wait_first()
         return stream
 
     async def run_to_end(self, http: HTTPRequest, prompts: list[tuple[list[int], SamplingParams | PoolingParams]],
-                         request_id: str, grammar_param: str | None = None) -> list[RequestOutput]:
+                         request_id: str, grammar_param: str | None = None,
+                         lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Final outputs of one request per (prompt, params); all are aborted when the client disconnects. Pooling
         params make pooling requests (PoolingRequestOutputs)."""
         async def one(i: int, token_ids: list[int], params: SamplingParams | PoolingParams) -> RequestOutput:
             final = None
             pooling = params if isinstance(params, PoolingParams) else None
             async for out in self.engine.generate({"prompt_token_ids": token_ids}, params, f"{request_id}-p{i}",
-                                                  OutputKind.FINAL_ONLY, pooling):
+                                                  OutputKind.FINAL_ONLY, pooling, lora_request):
                 final = out
             return final
 

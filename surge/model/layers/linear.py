@@ -117,7 +117,9 @@ def _split(size: int, tp_size: int, what: str) -> int:
 
 class Linear(nn.Module):
     """Replicated: every rank holds the whole weight. Its LinearMethod (surge/model/quant) creates and applies the
-    weight; quantizable=False: a layer read directly (a router's F.linear) that must stay unquantized."""
+    weight; quantizable=False: a layer read directly (a router's F.linear) that must stay unquantized. `lora`: the
+    layer's LoRA adapter slots (surge/model/layers/lora.py) once an engine with LoRA attached them, else None."""
+    lora = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, quantizable: bool = True) -> None:
         super().__init__()
@@ -144,7 +146,29 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
+        if self.lora is not None:
+            self.lora.add_(y, x)
+        return y
+
+    # ---- LoRA: where an adapter's A [r, in] and B [out, r] go on this rank ----
+    def lora_slices(self) -> list[tuple[int, int]]:
+        """(first local output row, rows) of each projection an adapter may target separately."""
+        return [(0, self.out_features)]
+
+    def lora_parts(self, shard_id: str | int | None, a: torch.Tensor, b: torch.Tensor,
+                   what: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's share of an adapter's (A, B) for one checkpoint projection: slice index -> (A, B)."""
+        _check_lora_shape(what, a, b, self.in_features, self.out_features)
+        return {0: (a, b)}
+
+
+def _check_lora_shape(what: str, a: torch.Tensor, b: torch.Tensor, in_features: int, out_features: int) -> None:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape[0] != out_features or \
+            a.shape[0] != b.shape[1]:
+        raise ValueError(f"LoRA weights of {what}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
+                         f"the base layer ({in_features} inputs, {out_features} outputs): expected lora_A "
+                         f"[r, {in_features}] and lora_B [{out_features}, r]")
 
 
 class MergedColumnParallelLinear(Linear):
@@ -194,6 +218,24 @@ class MergedColumnParallelLinear(Linear):
                              f"{self.shard_sizes} ({sum(sizes)} rows)")
         for shard_id, part in zip(self.shard_sizes, loaded.split(sizes, dim=0)):
             self.weight_loader(param, part, shard_id)
+
+    def lora_slices(self) -> list[tuple[int, int]]:
+        return [(offset, local) for offset, local, _ in self.shard_layout.values()]
+
+    def lora_parts(self, shard_id: str | int | None, a: torch.Tensor, b: torch.Tensor,
+                   what: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Column-parallel: A whole, B's rows of this rank. An adapter of the merged projection itself (shard None on
+        a layer of several: Phi-3's qkv_proj) has one A for all, and its B stacks them in shard order."""
+        shard_ids = list(self.shard_layout)
+        if shard_id not in self.shard_layout:
+            _check_lora_shape(what, a, b, self.in_features, sum(self.shard_sizes.values()))
+            parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for sid, part in zip(self.shard_sizes, b.split(list(self.shard_sizes.values()), dim=0)):
+                parts.update(self.lora_parts(sid, a, part, what))
+            return parts
+        offset, local, source_start = self.shard_layout[shard_id]
+        _check_lora_shape(what, a, b, self.in_features, self.shard_sizes[shard_id])
+        return {shard_ids.index(shard_id): (a, b.narrow(0, source_start, local))}
 
 
 class ColumnParallelLinear(MergedColumnParallelLinear):
@@ -247,8 +289,14 @@ class RowParallelLinear(Linear):
                              f"{tuple(param.shape)} (input split over {self.tp_size} ranks)")
         _narrow(param, loaded, 1, 0, self.input_start, self.in_features, "checkpoint tensor")
 
+    def lora_parts(self, shard_id: str | int | None, a: torch.Tensor, b: torch.Tensor,
+                   what: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Row-parallel: A's input columns of this rank, B whole (the partial deltas sum in the all-reduce)."""
+        _check_lora_shape(what, a, b, self.full_in_features, self.out_features)
+        return {0: (a.narrow(1, self.input_start, self.in_features), b)}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
         out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
-        return get_tp_group().all_reduce(out)
+        if self.lora is not None:  # before the sum: each rank's share of the delta
+            self.lora.add_(out, x)
+        return out if self.tp_size == 1 else get_tp_group().all_reduce(out)
