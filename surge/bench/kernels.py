@@ -580,10 +580,40 @@ def check_moe_quant(batches: tuple[int, ...] = (1, 64, 2048), experts: int = 128
                    nbytes=nbytes, flops=flops, err=err, tol=2e-2)
 
 
+def check_gemv() -> None:
+    """Batch-1 linear layers of Qwen3-8B: bf16 cuBLAS, fp8 per-token torch._scaled_mm (with its quantization), and
+    the fp8 decode GEMV with the launch policy's choice and the best of a small sweep (GB/s of the weight)."""
+    import itertools
+
+    from surge.kernels.fp8_gemv import GemvLaunch, fp8_gemv, launch_policy
+    from surge.kernels.fp8_quant import scaled_fp8_quant_per_token
+
+    print("# decode GEMV, M=1 (weight bytes / time)")
+    for name, n, k in (("qkv", HQ * HEAD_DIM + 2 * HKV * HEAD_DIM, HIDDEN), ("o", HIDDEN, HQ * HEAD_DIM),
+                       ("gate_up", 2 * INTERMEDIATE, HIDDEN), ("down", HIDDEN, INTERMEDIATE)):
+        x = torch.randn(1, k, device="cuda", dtype=DTYPE)
+        w16 = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02
+        scale = (w16.abs().amax(1, keepdim=True).float() / 448).clamp_min(1e-12)
+        w8 = (w16.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        expected = torch.nn.functional.linear(x.float(), w8.float() * scale)
+        report(f"gemv {name} bf16 cuBLAS", bench(lambda: torch.nn.functional.linear(x, w16)), nbytes=2 * n * k)
+
+        def scaled_mm():
+            q, s = scaled_fp8_quant_per_token(x)
+            return torch._scaled_mm(q, w8.t(), scale_a=s, scale_b=scale.view(1, -1), out_dtype=DTYPE)
+        report(f"gemv {name} fp8 _scaled_mm+quant", bench(scaled_mm), nbytes=n * k)
+        policy = launch_policy(1, n, k)
+        report(f"gemv {name} fp8 gemv {policy.block_n}x{policy.block_k}", bench(lambda: fp8_gemv(x, w8, scale)),
+               nbytes=n * k, err=max_err(fp8_gemv(x, w8, scale), expected), tol=2e-2)
+        best = min((bench(lambda lc=GemvLaunch(bn, bk, nw): fp8_gemv(x, w8, scale, launch=lc)), bn, bk, nw)
+                   for bn, bk, nw in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024), (2, 4, 8)))
+        report(f"gemv {name} fp8 gemv best {best[1]}x{best[2]} w{best[3]}", best[0], nbytes=n * k)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes")
-    parser.add_argument("--only", choices=["layers", "attention", "sampling", "moe", "quant"],
+    parser.add_argument("--only", choices=["layers", "attention", "sampling", "moe", "quant", "gemv"],
                         help="one group of kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -601,6 +631,8 @@ def main() -> None:
     if args.only in (None, "quant"):
         check_quant((1, 16, 4096) if args.quick else (1, 16, 256, 4096))
         check_moe_quant()
+    if args.only in (None, "gemv"):
+        check_gemv()
     if failures:
         sys.exit(f"FAILED: {', '.join(failures)}")
     print("# all checks passed")

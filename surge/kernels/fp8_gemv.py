@@ -7,9 +7,11 @@ registers.
 Scales: per output row (`weight_scale` [N, 1], per-tensor and per-channel checkpoints) applied once per row at the
 end, or per 128 x 128 block ([ceil(N / 128), ceil(K / 128)], DeepSeek / Qwen3-FP8) applied per K tile.
 
-Launch policy (launch_policy): one program per BLOCK_N output rows, the whole K streamed in BLOCK_K steps; BLOCK_N
-16, or 8 when that leaves fewer than two programs per SM. Each step loads a [BLOCK_N, BLOCK_K] fp8 tile (BLOCK_K
-bytes contiguous per row) and the [M_PAD, BLOCK_K] activations, and reduces their product over K in float32.
+Launch policy (launch_policy): one program per BLOCK_N = 8 output rows (many programs resident per SM, so that
+enough bytes are in flight to cover the memory latency), the whole K streamed in steps of BLOCK_K = 512 / M_PAD
+columns (an [M_PAD, BLOCK_N, BLOCK_K] product of 4096 float32 values per step), at least 128. Each step loads a
+[BLOCK_N, BLOCK_K] fp8 tile (BLOCK_K bytes contiguous per row), its block scales where they apply, and the
+[M_PAD, BLOCK_K] activations, and reduces their product over K in float32.
 """
 from __future__ import annotations
 
@@ -30,9 +32,9 @@ class GemvLaunch:
     num_warps: int
 
 
-def launch_policy(n: int, k: int, num_sms: int = 132) -> GemvLaunch:
-    block_n = 16 if triton.cdiv(n, 16) >= 2 * num_sms else 8
-    return GemvLaunch(block_n, min(SCALE_BLOCK, max(16, triton.next_power_of_2(k))), num_warps=4)
+def launch_policy(m: int, n: int, k: int) -> GemvLaunch:
+    m_pad = max(1, triton.next_power_of_2(m))
+    return GemvLaunch(8, min(max(SCALE_BLOCK, 512 // m_pad), max(16, triton.next_power_of_2(k))), num_warps=4)
 
 
 @triton.jit
@@ -52,9 +54,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride
         k_ok = k < K
         w = tl.load(w_ptr + cols64[:, None] * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
-        if BLOCK_SCALES:  # every tile lies in one 128-column block, and BLOCK_N rows in one 128-row block
-            s = tl.load(scale_ptr + (cols64 // 128) * stride_sn + k0 // 128, mask=col_ok, other=0.0)
-            w = w * s[:, None]
+        if BLOCK_SCALES:  # BLOCK_N rows lie in one 128-row block; the tile's columns in one or more blocks
+            s = tl.load(scale_ptr + (cols64 // 128)[:, None] * stride_sn + (k // 128)[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            w = w * s
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
@@ -86,7 +89,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    launch = launch or launch_policy(n, k)
+    launch = launch or launch_policy(m, n, k)
     weight_scale = weight_scale.contiguous()
     _fp8_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k, x.stride(0),

@@ -36,10 +36,20 @@ def test_fp8_gemv_matches_dequantized_linear(block, m, n, k, dtype, device):
     torch.testing.assert_close(got.cpu().float(), expected, atol=tol, rtol=tol)
 
 
-def test_launch_policy_switches_block_n_at_two_programs_per_sm():
-    assert launch_policy(16 * 264, 4096).block_n == 16
-    assert launch_policy(16 * 264 - 16, 4096).block_n == 8
-    assert launch_policy(4096, 100).block_k == 128 and launch_policy(4096, 48).block_k == 64
+def test_launch_policy_steps_512_columns_a_row_until_128():
+    assert [launch_policy(m, 4096, 4096).block_k for m in (1, 2, 3, 4)] == [512, 256, 128, 128]
+    assert launch_policy(1, 4096, 100).block_k == 128 and launch_policy(1, 4096, 48).block_k == 64
+
+
+@pytest.mark.parametrize("block_k", [128, 256, 512])
+def test_block_scales_across_a_wide_tile(block_k, device):
+    """A K step wider than a scale block reads each column's own block scale."""
+    from surge.kernels.fp8_gemv import GemvLaunch
+    q, scale = _weight(24, 700, True, device)
+    x = torch.randn(1, 700, generator=torch.Generator().manual_seed(3)).to(device)
+    got = fp8_gemv(x, q, scale, block_scales=True, launch=GemvLaunch(8, block_k, 4))
+    expected = torch.nn.functional.linear(x.cpu(), dequantize_fp8(q.cpu(), scale.cpu(), (128, 128)))
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_fp8_gemv_refuses_what_it_does_not_take(device):
