@@ -8,7 +8,7 @@ per-tensor scale fills its shard's rows, so q, k and v keep their own) or [ceil(
 static activation scale float32 [1] (the largest of a merged layer's shards). Names as the checkpoint's: HF writes
 `weight_scale_inv` / `activation_scale`, compressed-tensors `weight_scale` / `input_scale`.
 
-CUDA with bf16/fp16 activations: up to 4 rows (decode at small batch), surge/kernels/fp8_gemv.py streams the fp8
+CUDA with bf16/fp16 activations: up to 4 rows (decode at small batch), surge.kernels.gemv.py streams the fp8
 weight against the activations as they are (weight-only W8A16: the batch-1 step reads each weight byte once, with no
 quantization launch); more rows, torch._scaled_mm, row-wise (scale_a [M, 1], scale_b [1, N]) or block-wise (1x128 x
 128x128), activations quantized by surge/kernels/fp8_quant.py. Elsewhere (CPU, float32, other block shapes) the
@@ -29,7 +29,7 @@ from surge.kernels.quant_reference import FP8_MIN_SCALE as MIN_SCALE
 from surge.kernels.quant_reference import dequantize_fp8, fp8_fake_quant
 from surge.model.quant.base import LinearMethod, Sharding, add_param
 
-GEMV_ROWS = 4  # surge/kernels/fp8_gemv.py's MAX_ROWS (not imported here: it imports Triton)
+GEMV_ROWS = 4  # surge.kernels.gemv.py's MAX_ROWS (not imported here: it imports Triton)
 
 
 def quantize_weight(w: torch.Tensor, scheme: str, block: tuple[int, int] | None
@@ -141,7 +141,7 @@ class Fp8LinearMethod(LinearMethod):
         x2 = x.reshape(-1, shape[-1])
         w, w_scale = layer.weight, getattr(layer, self.scale_name)
         if x2.shape[0] <= GEMV_ROWS:  # decode: stream the fp8 weight, activations as they are (weight-only)
-            from surge.kernels.fp8_gemv import fp8_gemv
+            from surge.kernels.gemv import fp8_gemv
             out = fp8_gemv(x2, w, w_scale, bias, block_scales=self.block is not None)
             return out.view(*shape[:-1], out.shape[-1])
         kernels = _kernels()
