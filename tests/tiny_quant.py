@@ -121,3 +121,126 @@ def save_compressed_tensors(config, path: Path, scheme: str, seed: int = 0, grou
         for name, w in dense.items():
             params[name].copy_(w)
     return hf
+
+
+# ---- AutoAWQ (GEMM) and GPTQ, packed here bit by bit and checked by unpacking ----
+
+SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AutoAWQ word holds column 8c + AWQ_ORDER[i]
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _pack(values: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """[R, C] unsigned values -> int32 [R, C * bits / 32]: field i of word c holds column c * p + order[i]."""
+    p = 32 // bits
+    order = order or tuple(range(p))
+    v = values.to(torch.int64).reshape(values.shape[0], -1, p)
+    words = sum(v[:, :, order[i]] << (bits * i) for i in range(p))
+    packed = _to_int32(words).contiguous()
+    assert torch.equal(_unpack(packed, bits, order), values.to(torch.int64)), "packing does not round-trip"
+    return packed
+
+
+def _unpack(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    p = 32 // bits
+    order = order or tuple(range(p))
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    out = torch.empty(packed.shape[0], packed.shape[1], p, dtype=torch.int64)
+    for i in range(p):
+        out[:, :, order[i]] = (words >> (bits * i)) & ((1 << bits) - 1)
+    return out.flatten(1)
+
+
+def _quantize_groups(w: torch.Tensor, bits: int, groups: torch.Tensor, num_groups: int, sym: bool, min_zero: int):
+    """Round to nearest per (row, group); groups[k] is input channel k's group. Returns unsigned q [N, K], zeros
+    [N, G] (unsigned, 2^(bits-1) when sym), fp16 scales [N, G], and the dequantized float32 weight."""
+    maxq = (1 << bits) - 1
+    n, k = w.shape
+    scales, zeros = torch.empty(n, num_groups), torch.empty(n, num_groups)
+    for g in range(num_groups):
+        cols = w[:, groups == g]
+        lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+        if sym:
+            scales[:, g] = torch.maximum(-lo, hi) * 2 / maxq
+            zeros[:, g] = (maxq + 1) // 2
+        else:
+            scales[:, g] = ((hi - lo) / maxq).clamp(min=1e-6)
+            zeros[:, g] = (-lo / scales[:, g]).round().clamp(min_zero, maxq)
+    scales = scales.clamp(min=1e-6).half()
+    s, z = scales.float()[:, groups], zeros[:, groups]
+    q = ((w / s).round() + z).clamp(0, maxq)
+    return q.long(), zeros.long(), scales, (q - z) * s
+
+
+def _save_int_checkpoint(config, path: Path, quant: dict, pack, seed: int, ignore: tuple[str, ...] = (),
+                         last: str | None = None):
+    """pack(name, dense weight [N, K]) -> (checkpoint tensors, dequantized weight) for each quantized linear. last:
+    the tensors of that name go into a second shard, read after all others."""
+    save_tiny(config, path, seed)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tensors = load_file(str(path / "model.safetensors"))
+    dense = {}
+    for name in list(tensors):
+        if not _is_linear(name) or any(name.startswith(i + ".") for i in ignore):
+            continue
+        packed, dense[name] = pack(name, tensors.pop(name).float())
+        tensors.update({name.removesuffix("weight") + key: t for key, t in packed.items()})
+    if last is not None:
+        (path / "model.safetensors").unlink()
+        later = {name: tensors.pop(name) for name in list(tensors) if name.endswith("." + last)}
+        save_file(later, str(path / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, str(path / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    else:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = quant
+    (path / "config.json").write_text(json.dumps(cfg))
+    with torch.no_grad():
+        params = dict(hf.named_parameters())
+        for name, w in dense.items():
+            params[name].copy_(w)
+    return hf
+
+
+def save_awq(config, path: Path, group_size: int = 32, seed: int = 0, ignore: tuple[str, ...] = ()):
+    """AutoAWQ GEMM: qweight int32 [K, N / 8] and qzeros [K / group, N / 8] packed along N in AWQ's order, fp16
+    scales [K / group, N]; zero points from each group's min / max."""
+    def pack(name, w):
+        k = w.shape[1]
+        q, zeros, scales, dense = _quantize_groups(w, 4, torch.arange(k) // group_size, k // group_size, False, 0)
+        return {"qweight": _pack(q.t(), 4, AWQ_ORDER), "qzeros": _pack(zeros.t(), 4, AWQ_ORDER),
+                "scales": scales.t().contiguous()}, dense
+
+    quant = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
+             "modules_to_not_convert": list(ignore) or None}
+    return _save_int_checkpoint(config, path, quant, pack, seed, ignore)
+
+
+def save_gptq(config, path: Path, bits: int = 4, group_size: int = 32, desc_act: bool = False, sym: bool = True,
+              seed: int = 0):
+    """GPTQ v1: qweight int32 [K * bits / 32, N] packed along K, qzeros [K / group, N * bits / 32] packed along N
+    holding zero - 1, fp16 scales [K / group, N], g_idx [K]. desc_act: each input (the q/k/v projections share one,
+    as gate/up do) has its own random quantization order, channel perm[i] in group i // group_size. Asymmetric zeros
+    are kept >= 1 (a v1 zero of 0 is stored as -1, which AutoGPTQ's kernels read as 2^bits). With desc_act the
+    g_idx tensors come last (a second shard): each qweight arrives before the order it is sorted by."""
+    perms = {}
+
+    def pack(name, w):
+        n, k = w.shape
+        g_idx = torch.arange(k) // group_size
+        if desc_act:
+            module, proj, _ = name.rsplit(".", 2)
+            site = f"{module}.{SHARED_INPUT.get(proj, proj)}"
+            perm = perms.setdefault(site, torch.randperm(k, generator=torch.Generator().manual_seed(len(perms))))
+            g_idx = torch.empty(k, dtype=torch.int64)
+            g_idx[perm] = torch.arange(k) // group_size
+        q, zeros, scales, dense = _quantize_groups(w, bits, g_idx, k // group_size, sym, 1)
+        return {"qweight": _pack(q, bits).t().contiguous(), "qzeros": _pack(zeros.t() - 1, bits),
+                "scales": scales.t().contiguous(), "g_idx": g_idx.to(torch.int32)}, dense
+
+    quant = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
+             "checkpoint_format": "gptq"}
+    return _save_int_checkpoint(config, path, quant, pack, seed, last="g_idx" if desc_act else None)

@@ -129,7 +129,7 @@ def get_quant_config(checkpoint_quant: dict | None, online: str | None) -> Quant
 
 def _import_methods() -> None:
     """The method files register themselves (kept out of this module's imports: each may pull a kernel)."""
-    from surge.model.quant import compressed_tensors  # noqa: F401
+    from surge.model.quant import awq, compressed_tensors, gptq  # noqa: F401
 
 
 # ---- assigning methods ----
