@@ -7,6 +7,7 @@ float32 values."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -51,11 +52,30 @@ def save_hf_fp8_block(config, path: Path, block: tuple[int, int] = (32, 32), see
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                   "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
     (path / "config.json").write_text(json.dumps(cfg))
+    set_dense_weights(hf, dense)
+    return hf
+
+
+_EXPERT = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+
+
+def set_dense_weights(hf, dense: dict[str, torch.Tensor]) -> None:
+    """Checkpoint name -> dequantized weight into HF's model; one expert's gate / up / down into the experts HF
+    holds stacked (gate_up_proj [E, 2I, H]: gate rows, then up's; down_proj [E, H, I])."""
     with torch.no_grad():
         params = dict(hf.named_parameters())
         for name, w in dense.items():
-            params[name].copy_(w)
-    return hf
+            m = _EXPERT.match(name)
+            if m is None:
+                params[name].copy_(w)
+                continue
+            expert = int(m["expert"])
+            if m["proj"] == "down":
+                params[f"{m['experts']}.down_proj"][expert].copy_(w)
+            else:
+                rows = w.shape[0]
+                start = 0 if m["proj"] == "gate" else rows
+                params[f"{m['experts']}.gate_up_proj"][expert, start:start + rows].copy_(w)
 
 
 def save_compressed_tensors(config, path: Path, scheme: str, seed: int = 0, group_size: int | None = None,
@@ -244,3 +264,47 @@ def save_gptq(config, path: Path, bits: int = 4, group_size: int = 32, desc_act:
     quant = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
              "checkpoint_format": "gptq"}
     return _save_int_checkpoint(config, path, quant, pack, seed, last="g_idx" if desc_act else None)
+
+
+# ---- MXFP4 experts (gpt-oss), packed here and checked by unpacking ----
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _mxfp4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (blocks uint8 [E, N, K / 32, 16], scales uint8 [E, N, K / 32]): per block of 32 along K the
+    exponent e making amax / 2^e <= 6 (e2m1's largest), each value the nearest e2m1 code of w / 2^e (the sign bit 8),
+    two codes a byte, the low nibble first."""
+    blocks = w.float().unflatten(-1, (-1, 32))
+    exponent = torch.log2(blocks.abs().amax(-1).clamp(min=2.0 ** -100) / 6.0).ceil().clamp(-127, 127)
+    v = blocks / torch.exp2(exponent).unsqueeze(-1)
+    codes = (v.abs().unsqueeze(-1) - E2M1).abs().argmin(-1) + 8 * (v < 0)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    unpacked = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+    assert torch.equal(unpacked.long(), codes), "packing does not round-trip"
+    return packed, (exponent + 127).to(torch.uint8)
+
+
+def save_mxfp4(config, path: Path, seed: int = 0):
+    """gpt-oss with MXFP4 experts as the released checkpoints hold them (experts' blocks and scales [E, out, in / 32],
+    gate and up interleaved as in the bf16 layout; biases unquantized). The reference: HF's model holding what
+    transformers' convert_moe_packed_tensors dequantizes (bf16, then float32)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tiny_fam5 import make_tiny_model
+
+    make_tiny_model("gpt-oss", path, seed)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tensors = load_file(str(path / "model.safetensors"))
+    params = dict(hf.named_parameters())
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _mxfp4_pack(tensors.pop(name).transpose(1, 2))  # stored [E, in, out]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        with torch.no_grad():
+            params[name].copy_(convert_moe_packed_tensors(blocks, scales).float())  # returned [E, in, out]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return hf
