@@ -43,8 +43,8 @@ def unpack_ct_zero_point(packed: torch.Tensor, bits: int, out_features: int) -> 
     return unpack_int32(packed.t(), bits, out_features).t().contiguous()
 
 
-def _unpack_awq(packed: torch.Tensor, columns: int) -> torch.Tensor:
-    """AutoAWQ int32 [R, C / 8] -> uint8 [R, C] in column order."""
+def unpack_awq(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """AutoAWQ int32 [R, C / 8] (qweight or qzeros) -> uint8 [R, C] in column order."""
     nibbles = unpack_int32(packed, 4, packed.shape[-1] * 8).unflatten(-1, (-1, 8))  # [R, C / 8, nibble]
     order = torch.tensor(AWQ_PACK_ORDER, device=packed.device)
     by_column = torch.empty_like(nibbles)
@@ -58,8 +58,8 @@ def awq_to_canonical(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales:
     AWQ_PACK_ORDER, scales [K / group, N]; W[n, k] = (w - z) * s with unsigned w and z. No zeros (zero_point false
     in the config): symmetric around 8."""
     in_features, out_features = qweight.shape[0], scales.shape[1]
-    u = _unpack_awq(qweight, out_features)  # [K, N]
-    zero = None if qzeros is None else _unpack_awq(qzeros, out_features).t().contiguous()
+    u = unpack_awq(qweight, out_features)  # [K, N]
+    zero = None if qzeros is None else unpack_awq(qzeros, out_features).t().contiguous()
     return PackedIntWeight(pack_int32(u.t(), 4), scales.t().contiguous(), zero, None, 4,
                            group_size if group_size > 0 else in_features)
 
@@ -81,21 +81,34 @@ def gptq_to_canonical(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch
     if group_size <= 0:
         group_size = in_features
     u = unpack_int32(qweight.t(), bits, in_features)  # [N, K]
-    zero = unpack_int32(qzeros, bits, out_features).t().contiguous()  # [N, K / group]
+    zero = unpack_gptq_zeros(qzeros, bits, out_features, v1_zeros)
+    perm = None if g_idx is None else act_order_perm(g_idx, group_size)
+    if perm is not None:
+        u = u[:, perm.long()]
+    return PackedIntWeight(pack_int32(u, bits), scales.t().contiguous(), zero, perm, bits, group_size)
+
+
+def unpack_gptq_zeros(qzeros: torch.Tensor, bits: int, out_features: int, v1_zeros: bool = True) -> torch.Tensor:
+    """GPTQ qzeros int32 [K / group, N * bits / 32] (packed along N) -> the canonical uint8 [N, K / group]; v1
+    checkpoints store zero - 1 (see gptq_to_canonical)."""
+    _check_bits(bits)
+    zero = unpack_int32(qzeros, bits, out_features).t().contiguous()
     if v1_zeros:
         if bits == 8 and (zero == 255).any():
             raise ValueError("a GPTQ v1 8-bit zero point stored as 255 reads as 256, which the uint8 zero points of "
                              "the canonical layout cannot hold")
         zero = zero + 1
-    perm = None
-    if g_idx is not None:
-        g_idx = g_idx.to(torch.int64)
-        in_order = torch.arange(in_features, device=g_idx.device) // group_size
-        if not torch.equal(g_idx, in_order):
-            perm = torch.argsort(g_idx, stable=True)
-            if not torch.equal(g_idx[perm], in_order):
-                raise ValueError(f"g_idx does not give every group {group_size} channels: not a GPTQ act-order "
-                                 f"permutation")
-            u = u[:, perm]
-            perm = perm.to(torch.int32)
-    return PackedIntWeight(pack_int32(u, bits), scales.t().contiguous(), zero, perm, bits, group_size)
+    return zero
+
+
+def act_order_perm(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """GPTQ act-order: the input channels sorted by group (stably), int32 [K], or None when g_idx is in order
+    already (k // group_size). Each group must hold group_size channels."""
+    g_idx = g_idx.to(torch.int64)
+    in_order = torch.arange(g_idx.numel(), device=g_idx.device) // group_size
+    if torch.equal(g_idx, in_order):
+        return None
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], in_order):
+        raise ValueError(f"g_idx does not give every group {group_size} channels: not a GPTQ act-order permutation")
+    return perm.to(torch.int32)

@@ -221,3 +221,39 @@ def test_launch_policy_boundaries():
     assert launch_policy(64, 64, 4096, 128).block_k == 64 and launch_policy(1, 64, 4096, 96).block_k == 32
     with pytest.raises(ValueError, match="group_size=40"):
         launch_policy(1, 64, 4096, 40)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq-act-order"])
+def test_awq_gptq_layers_feed_the_int_gemm(fmt):
+    """The AWQ / GPTQ linear methods convert checkpoint tensors as they load into what the kernel reads: on a loaded
+    layer's parameters (qweight, scales, qzeros, g_idx's permutation) the kernel computes x @ W.T, as the layer's CPU
+    path does. The GPTQ qweight arrives before its g_idx, and waits for it."""
+    from surge.kernels.int4_gemm import int_gemm
+    from surge.model.layers.linear import Linear, deferred_weights
+    from surge.model.quant.awq import AWQLinearMethod
+    from surge.model.quant.gptq import GPTQLinearMethod
+
+    n, k, group = 32, 128, 32
+    g = torch.Generator().manual_seed(3)
+    u, scale, zero = _random_int_weight(n, k, 4, group, torch.float32, seed=3)
+    g_idx = torch.arange(k) // group
+    if fmt == "awq":
+        method = AWQLinearMethod(bits=4, group_size=group, symmetric=False)
+        tensors = {"qweight": _pack_awq(u.t()), "qzeros": _pack_awq(zero.t()), "scales": scale.t().contiguous()}
+    else:
+        zero = zero.clamp(1, 15)  # v1 stores zero - 1
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+        method = GPTQLinearMethod(bits=4, group_size=group, symmetric=False, act_order=True)
+        tensors = {"qweight": _pack_sequential(u.t(), 0, 4), "qzeros": _pack_sequential(zero.t().long() - 1, 1, 4),
+                   "scales": scale.t().contiguous(), "g_idx": g_idx.int()}
+    with deferred_weights():
+        layer = Linear(k, n)
+    layer.set_method(method, torch.device("cpu"))
+    for name, t in tensors.items():
+        getattr(layer, name).weight_loader(getattr(layer, name), t)
+    w = (u.long() - zero.long()[:, g_idx]).float() * scale[:, g_idx]
+    x = torch.randn(5, k, generator=g)
+    torch.testing.assert_close(layer(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    got = int_gemm(x, layer.qweight, layer.scales, bits=4, group_size=group, zero_point=layer.qzeros,
+                   input_perm=method._input_perm(layer))
+    torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-5)

@@ -76,6 +76,10 @@ def deferred_weights() -> Iterator[None]:
         _DEFER[0] = False
 
 
+def weights_deferred() -> bool:
+    return _DEFER[0]
+
+
 @dataclass(frozen=True)
 class HeadShard:
     """One rank's query heads [q_start, q_start + q_count) and the KV heads they read."""

@@ -18,8 +18,8 @@ from torch import nn
 from surge import envs
 from surge.distributed.parallel_state import get_ep_group, get_tp_group
 from surge.kernels.reference import EXPERT_ACTIVATIONS
-from surge.kernels.reference import fused_moe as fused_moe_reference
-from surge.model.layers.linear import Linear
+from surge.model.layers.linear import Linear, weights_deferred
+from surge.model.quant.base import UNQUANTIZED_MOE, WEIGHT, MoEMethod
 
 # Checkpoint shard ids of expert tensors: (projection, expert) for one expert's tensor, or (projection, None) for
 # all experts stacked already (HF transformers 5 models in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I]).
@@ -82,10 +82,10 @@ class FusedMoE(nn.Module):
         self.local_intermediate = intermediate // split
         self.intermediate_start = (tp.rank % split) * self.local_intermediate
         e, i = self.num_local_experts, self.local_intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden), requires_grad=False)  # [gate | up] rows
-        self.down_proj = nn.Parameter(torch.empty(e, hidden, i), requires_grad=False)
-        self.gate_up_proj.weight_loader = self.weight_loader
-        self.down_proj.weight_loader = self.weight_loader
+        self.params_dtype = torch.get_default_dtype()
+        self.quant_method: MoEMethod = UNQUANTIZED_MOE
+        if not weights_deferred():  # else a quantization config gives the layer its method (surge/model/quant)
+            UNQUANTIZED_MOE.create_weights(self, None)
         if bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
             self.down_proj_bias = nn.Parameter(torch.empty(e, hidden), requires_grad=False)
@@ -94,48 +94,75 @@ class FusedMoE(nn.Module):
         else:
             self.gate_up_proj_bias = self.down_proj_bias = None
 
+    def set_method(self, method: MoEMethod, device: torch.device | None) -> None:
+        self.quant_method = method
+        method.create_weights(self, device)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[str, int | None] | None = None) -> None:
+        """One expert's gate, up or down tensor ((projection, expert)), or every expert's stacked ((projection,
+        None)): this rank's experts and intermediate slice of it. A quantized parameter counts checkpoint elements
+        per element along its rows and columns (its sharding: block scales, packed blocks)."""
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[0] in _PROJECTIONS):
             raise ValueError(f"expert shard id {shard_id!r} is not (projection, expert) with projection one of "
                              f"{', '.join(_PROJECTIONS)}")
         projection, expert = shard_id
-        e0, n, i0, i = self.expert_start, self.num_local_experts, self.intermediate_start, self.local_intermediate
+        sharding = getattr(param, "sharding", WEIGHT)
+        row_div, col_div = sharding.out_div or 1, sharding.in_div
+        e0, n = self.expert_start, self.num_local_experts
+        i0, i = self.intermediate_start, self.local_intermediate
+        if i0 % row_div or (col_div is not None and i0 % col_div):
+            raise ValueError(f"this rank's intermediate slice starts at {i0}, not a multiple of the quantization "
+                             f"block {row_div if i0 % row_div else col_div}: this split cannot hold it")
+        rows = (-(-self.intermediate // row_div), -(-i // row_div), i0 // row_div)  # full, local, first
+        cols = (1, 1, 0) if col_div is None else (-(-self.intermediate // col_div), -(-i // col_div), i0 // col_div)
+        hidden_rows, hidden_cols = -(-self.hidden // row_div), 1 if col_div is None else -(-self.hidden // col_div)
         if expert is None:  # every expert stacked: this rank's experts, each sliced as below
-            want = ((self.num_experts, 2 * self.intermediate, self.hidden) if projection == "gate_up"
-                    else (self.num_experts, self.hidden, self.intermediate))
-            if self.stacked_in_out:
+            want = ((self.num_experts, 2 * rows[0], hidden_cols) if projection == "gate_up"
+                    else (self.num_experts, hidden_rows, cols[0]))
+            in_out = getattr(param, "checkpoint_in_out", self.stacked_in_out)
+            if in_out:
                 want = (want[0], want[2], want[1])
-            if tuple(loaded.shape) != want:
-                raise ValueError(f"stacked experts of shape {tuple(loaded.shape)}, expected {want}")
+            if tuple(loaded.shape[:3]) != want or loaded.shape[3:] != param.shape[3:]:
+                raise ValueError(f"stacked experts of shape {tuple(loaded.shape)}, expected {want + param.shape[3:]}")
             local = loaded.narrow(0, e0, n)
-            if self.stacked_in_out:
+            if in_out:
                 local = local.transpose(1, 2)
+            experts = slice(None)
             if projection == "gate_up":
-                gate, up = self._gate_and_up(local)
-                param.data[:, :i].copy_(gate[:, i0:i0 + i])
-                param.data[:, i:].copy_(up[:, i0:i0 + i])
+                gate, up = self._gate_and_up(local, rows[0])
+                self._store(param, (experts, slice(0, rows[1])), gate.narrow(1, rows[2], rows[1]))
+                self._store(param, (experts, slice(rows[1], 2 * rows[1])), up.narrow(1, rows[2], rows[1]))
             else:
-                param.data.copy_(local.narrow(2, i0, i))
+                self._store(param, (experts,), local.narrow(2, cols[2], cols[1]))
             return
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range (the layer has {self.num_experts})")
         if not e0 <= expert < e0 + n:
             return  # another rank's expert
-        want = (self.hidden, self.intermediate) if projection == "down" else (self.intermediate, self.hidden)
+        want = (hidden_rows, cols[0]) if projection == "down" else (rows[0], hidden_cols)
         if tuple(loaded.shape) != want:
-            raise ValueError(f"expert {expert} {projection}_proj of shape {tuple(loaded.shape)}, expected {want}")
-        target = param.data[expert - e0]
+            raise ValueError(f"expert {expert} {projection}_proj tensor of shape {tuple(loaded.shape)}, expected "
+                             f"{want}")
         if projection == "down":
-            target.copy_(loaded.narrow(1, i0, i))
+            self._store(param, (expert - e0,), loaded.narrow(1, cols[2], cols[1]))
         else:
-            target.narrow(0, 0 if projection == "gate" else i, i).copy_(loaded.narrow(0, i0, i))
+            start = 0 if projection == "gate" else rows[1]
+            self._store(param, (expert - e0, slice(start, start + rows[1])), loaded.narrow(0, rows[2], rows[1]))
 
-    def _gate_and_up(self, stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A checkpoint's stacked gate|up [E, 2I, ...] -> (gate, up), each [E, I, ...]."""
+    @staticmethod
+    def _store(param: nn.Parameter, index: tuple, source: torch.Tensor) -> None:
+        on_load = getattr(param, "on_load", None)
+        if on_load is not None:  # a method converting as it loads (online quantization)
+            return on_load(param, index, source)
+        param.data[index].copy_(source)
+
+    def _gate_and_up(self, stacked: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A checkpoint's stacked gate|up [E, 2I, ...] -> (gate, up), each [E, I, ...] (I: `rows`)."""
         if self.interleaved_gate_up:
             return stacked[:, 0::2], stacked[:, 1::2]
-        return stacked[:, :self.intermediate], stacked[:, self.intermediate:]
+        rows = self.intermediate if rows is None else rows
+        return stacked[:, :rows], stacked[:, rows:]
 
     def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                     shard_id: tuple[str, int | None] | None = None) -> None:
@@ -167,14 +194,9 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) (the caller all-reduces it)."""
-        options = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
-                       activation=self.activation, swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
-        if x.is_cuda:  # the kernels skip another rank's experts themselves: no id arithmetic launched here
-            from surge.kernels.fused_moe import fused_moe
-            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
-                             expert_offset=self.expert_start, **options)
-        return fused_moe_reference(x, self.gate_up_proj, self.down_proj, topk_weights,
-                                   self.local_expert_ids(topk_ids), **options)
+        return self.quant_method.apply(self, x, topk_weights, topk_ids, gate_up_bias=self.gate_up_proj_bias,
+                                       down_bias=self.down_proj_bias, activation=self.activation,
+                                       swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
 
 
 def uniform_random_routing(router_logits: torch.Tensor, top_k: int,

@@ -73,7 +73,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         method = getattr(module, "quant_method", None)
         if method is not None and method.name != "unquantized":  # its own storage (fp8, packed int ...)
             method.init_dummy(module, gen)
-            quantized.update(f"{module_name}.{p}" for p, _ in module.named_parameters() if p != "bias")
+            quantized.update(f"{module_name}.{p}" for p, _ in module.named_parameters(recurse=False)
+                             if not p.endswith("bias"))
     for name, param in model.named_parameters():
         if name in quantized:
             continue

@@ -2,8 +2,8 @@
 biases and a learned sink logit per head, and whose every feed-forward block is a mixture of experts: a router with
 a bias (the top k logits, then their softmax) and experts with biases and a clamped SwiGLU.
 
-Checkpoints in HF transformers' layout, bf16 or float32: stacked experts [E, in, out] with gate and up interleaved.
-The released MXFP4 checkpoints (quantization_config) are refused until quantized experts land.
+Checkpoints in HF transformers' layout, bf16 or float32: stacked experts [E, in, out] with gate and up interleaved;
+or the released MXFP4 experts (surge/model/quant/mxfp4.py), [E, out, in / 32] blocks.
 """
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import re
 import torch
 from torch import nn
 
-from surge.model.arch import cfg_get, refuse
+from surge.model.arch import cfg_get
 from surge.model.layers.moe import SparseMoeBlock
 from surge.model.layers.rotary import RotaryEmbedding
 from surge.model.models.llama import DecoderAttention, LlamaForCausalLM
 
-# model.layers.N.mlp.experts.{gate_up,down}_proj[_bias]: every expert stacked (HF transformers' names and layout).
-_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up|down)_proj(?P<bias>_bias)?$")
+# model.layers.N.mlp.experts.{gate_up,down}_proj[_bias]: every expert stacked (HF transformers' names and layout);
+# MXFP4 checkpoints hold {gate_up,down}_proj_blocks and _scales instead of the weights.
+_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up|down)_proj(?P<suffix>_bias|_blocks|_scales)?$")
 
 
 def _sinks_loader(first_head: int):
@@ -34,13 +35,6 @@ def _sinks_loader(first_head: int):
 class GptOssForCausalLM(LlamaForCausalLM):
     weight_mapper = LlamaForCausalLM.weight_mapper.extend(
         renames=((r"\.self_attn\.sinks$", ".self_attn.attn.sinks"), (r"\.mlp\.router\.", ".mlp.gate.")))
-
-    def __init__(self, config, quant_config=None) -> None:
-        quant = config.quantization_config
-        if quant:
-            raise refuse("quantization_config.quant_method", quant.get("quant_method"),
-                         "none (bf16 or float32 weights; MXFP4 experts are not implemented yet)")
-        super().__init__(config, quant_config)
 
     def make_attention(self, layer_index: int, sliding_window: int | None,
                        rotary: RotaryEmbedding | None) -> nn.Module:
@@ -62,4 +56,4 @@ class GptOssForCausalLM(LlamaForCausalLM):
         m = _EXPERTS.match(name.removeprefix("model."))
         if m is None:
             return super().checkpoint_name_to_param(name)
-        return f"{m['prefix']}.{m['proj']}_proj{m['bias'] or ''}", (m["proj"], None)
+        return f"{m['prefix']}.{m['proj']}_proj{m['suffix'] or ''}", (m["proj"], None)

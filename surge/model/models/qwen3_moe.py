@@ -15,8 +15,10 @@ from surge.model.models.llama import Qwen3ForCausalLM
 
 # model.layers.N.mlp.experts.E.gate_proj.weight (per expert, as on the hub) or model.layers.N.mlp.experts.gate_up_proj
 # (stacked, as HF transformers 5 holds them in memory).
-_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?:(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight|"
-                     r"(?P<stacked>gate_up|down)_proj)$")
+# A quantized checkpoint's per-expert scales (fp8: weight_scale_inv, weight_scale) load onto the layer's
+# gate_up_proj_<name> / down_proj_<name>.
+_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?:(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\."
+                     r"(?P<tensor>weight|weight_scale_inv|weight_scale)|(?P<stacked>gate_up|down)_proj)$")
 
 
 def is_sparse_layer(tc, layer_index: int) -> bool:
@@ -43,4 +45,5 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if m["stacked"]:
             return f"{m['prefix']}.{m['stacked']}_proj", (m["stacked"], None)
         param = "down_proj" if m["proj"] == "down" else "gate_up_proj"
-        return f"{m['prefix']}.{param}", (m["proj"], int(m["expert"]))
+        suffix = "" if m["tensor"] == "weight" else f"_{m['tensor']}"
+        return f"{m['prefix']}.{param}{suffix}", (m["proj"], int(m["expert"]))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from surge.model.quant.base import UNQUANTIZED, LinearMethod
+from surge.model.quant.base import UNQUANTIZED, UNQUANTIZED_MOE, LinearMethod, MoEMethod
 from surge.model.quant.fp8 import Fp8LinearMethod
 
 
@@ -29,6 +29,11 @@ class QuantConfig:
     def method_for(self, module: str) -> LinearMethod:
         raise NotImplementedError
 
+    def moe_method_for(self, module: str) -> MoEMethod:
+        """The method of a mixture-of-experts layer whose checkpoint module (one expert's projection, or the stacked
+        experts) is `module`: the expert counterpart of its linear method."""
+        return self.method_for(module).moe_method()
+
     def ignored(self, module: str) -> bool:
         return any(_matches(module, pattern) for pattern in self.ignore)
 
@@ -38,9 +43,13 @@ class QuantConfig:
 
 def _matches(module: str, pattern: str) -> bool:
     """compressed-tensors' `re:` regexes (matched from the start), else a module name, or a name's last parts
-    ("lm_head", "mlp.gate"), or a parent ("model.layers.0.mlp")."""
+    ("lm_head", "mlp.gate"), or a parent ("model.layers.0.mlp"); `*` matches any one name part (gpt-oss's
+    "model.layers.*.self_attn")."""
     if pattern.startswith("re:"):
         return re.match(pattern[3:], module) is not None
+    if "*" in pattern:
+        regex = r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split("."))
+        return re.match(rf"(.*\.)?{regex}(\..*)?$", module) is not None
     return module == pattern or module.endswith("." + pattern) or module.startswith(pattern + ".")
 
 
@@ -145,7 +154,7 @@ def get_quant_config(checkpoint_quant: dict | None, online: str | None) -> Quant
 
 def _import_methods() -> None:
     """The method files register themselves (kept out of this module's imports: each may pull a kernel)."""
-    from surge.model.quant import compressed_tensors  # noqa: F401
+    from surge.model.quant import awq, compressed_tensors, gptq, mxfp4  # noqa: F401
 
 
 # ---- assigning methods ----
@@ -177,20 +186,24 @@ def checkpoint_modules(model: nn.Module, model_dir: str | None) -> dict[str, set
 
 def quantize_model(model: nn.Module, quant: QuantConfig | None, device: torch.device,
                    model_dir: str | None) -> None:
-    """Give every linear layer built without weights (deferred) its method, which creates them on `device`."""
+    """Give every linear and mixture-of-experts layer built without weights (deferred) its method, which creates
+    them on `device`."""
     from surge.model.layers.linear import Linear
+    from surge.model.layers.moe import FusedMoE
 
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear) and "weight" not in m._parameters
-              and not any(k.startswith("weight") for k in m._parameters)]
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear | FusedMoE)
+              and not any(k.startswith(("weight", "gate_up_proj", "down_proj")) and not k.endswith("bias")
+                          for k in m._parameters)]
     model.quant_skip = quant.skip if quant is not None else ()
     if not layers:
         return
     names = checkpoint_modules(model, model_dir) if quant is not None else {}
     for module_name, layer in layers:
-        method = UNQUANTIZED
-        if quant is not None and layer.quantizable:
+        experts = isinstance(layer, FusedMoE)
+        method = UNQUANTIZED_MOE if experts else UNQUANTIZED
+        if quant is not None and (experts or layer.quantizable):
             ckpt = sorted(names.get(module_name) or {f"model.{module_name}"})
-            methods = {c: quant.method_for(c) for c in ckpt}
+            methods = {c: quant.moe_method_for(c) if experts else quant.method_for(c) for c in ckpt}
             if len(set(methods.values())) > 1:
                 raise ValueError(f"{quant.name} checkpoint: the parts of {module_name} ({', '.join(ckpt)}) are "
                                  "quantized differently; Surge runs them as one GEMM and needs them alike")

@@ -69,5 +69,65 @@ class LinearMethod:
         """The weight this method applies, [out, in] in the activations' dtype (references, the CPU path)."""
         return layer.weight
 
+    def moe_method(self) -> MoEMethod:
+        """This method's counterpart for a mixture-of-experts layer the config quantizes alike."""
+        if self.name == "unquantized":
+            return UNQUANTIZED_MOE
+        raise ValueError(f"{self.describe()} experts are not supported: fused MoE layers take unquantized, fp8 "
+                         "(block, or per-channel with dynamic per-token activations) or mxfp4 experts")
+
 
 UNQUANTIZED = LinearMethod()
+
+
+# ---- mixture-of-experts layers ----
+
+class MoEMethod:
+    """How one FusedMoE layer (surge/model/layers/moe.py) stores and applies its experts' weights. Parameters are
+    [E, rows, cols, ...] per expert: gate|up [E, 2I, H] ([gate | up] rows) and down [E, H, I], in this rank's
+    experts and intermediate slice; a parameter's `sharding` counts checkpoint elements per parameter element along
+    rows (out_div) and columns (in_div; None: one column whatever the split, a per-row scale). The experts' loader
+    writes each checkpoint slice through the parameter's `on_load(param, index, source)` where it has one."""
+    name = "unquantized"
+
+    def describe(self) -> str:
+        return self.name
+
+    def create_weights(self, layer, device: torch.device | None) -> None:
+        e, i, h = layer.num_local_experts, layer.local_intermediate, layer.hidden
+        add_expert_param(layer, "gate_up_proj", (e, 2 * i, h), layer.params_dtype, device=device)
+        add_expert_param(layer, "down_proj", (e, h, i), layer.params_dtype, device=device)
+
+    def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              **options) -> torch.Tensor:
+        """This rank's share of sum_k weight_k * expert_k(x); options: biases and the activation."""
+        if x.is_cuda:  # the kernels skip another rank's experts themselves: no id arithmetic launched here
+            from surge.kernels.fused_moe import fused_moe
+            return fused_moe(x, layer.gate_up_proj, layer.down_proj, topk_weights, topk_ids,
+                             expert_offset=layer.expert_start, **options)
+        from surge.kernels.reference import fused_moe as fused_moe_reference
+        return fused_moe_reference(x, layer.gate_up_proj, layer.down_proj, topk_weights,
+                                   layer.local_expert_ids(topk_ids), **options)
+
+    def init_dummy(self, layer, gen: torch.Generator) -> None:
+        layer.gate_up_proj.normal_(0.0, 0.02, generator=gen)
+        layer.down_proj.normal_(0.0, 0.02, generator=gen)
+
+    def dense_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate|up [E, 2I, H], down [E, H, I]) in the activations' dtype (references, the CPU path)."""
+        return layer.gate_up_proj, layer.down_proj
+
+
+def add_expert_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                     sharding: Sharding = WEIGHT, device: torch.device | None = None,
+                     checkpoint_in_out: bool | None = None) -> None:
+    """Register a FusedMoE parameter its expert loader fills. checkpoint_in_out: whether stacked checkpoint tensors
+    hold it [E, cols, rows] (None: as the layer says of its checkpoint's weights)."""
+    add_param(layer, name, shape, dtype, sharding, device)
+    param = getattr(layer, name)
+    param.weight_loader = layer.weight_loader
+    if checkpoint_in_out is not None:
+        param.checkpoint_in_out = checkpoint_in_out
+
+
+UNQUANTIZED_MOE = MoEMethod()

@@ -101,6 +101,15 @@ class Fp8LinearMethod(LinearMethod):
             getattr(layer, self.scale_name).data[rows] = scale
         return on_load
 
+    def moe_method(self):
+        """Experts quantized alike: block weights with group activations, or per-channel with per-token ones."""
+        from surge.model.quant.fp8_moe import Fp8MoEMethod
+        if self.weights == "block" and self.activations == "group":
+            return Fp8MoEMethod("block", self.block, self.scale_name)
+        if self.weights == "channel" and self.activations == "token":
+            return Fp8MoEMethod("channel", None, self.scale_name, self.online)
+        return super().moe_method()
+
     def init_dummy(self, layer, gen: torch.Generator) -> None:
         dense = torch.empty(layer.out_features, layer.in_features, device=layer.weight.device)
         dense.normal_(0.0, 0.02, generator=gen)

@@ -12,6 +12,8 @@ elsewhere the weight is dequantized once into a cached copy and the ordinary GEM
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import ClassVar
 
 import torch
 
@@ -45,20 +47,27 @@ class WNA16LinearMethod(LinearMethod):
     group_size: int | None = 128  # None: one scale per output channel
     symmetric: bool = True
     name: str = "wna16"
+    # the parameters' names (AWQ and GPTQ keep their checkpoints' own: RepackedWNA16Method)
+    packed_name: ClassVar[str] = "weight_packed"
+    scale_name: ClassVar[str] = "weight_scale"
 
     def describe(self) -> str:
         group = f"group {self.group_size}" if self.group_size else "per channel"
         return f"int{self.bits} weights, {group}, {'symmetric' if self.symmetric else 'zero points'}"
 
-    def create_weights(self, layer, device) -> None:
-        n, k = layer.out_features, layer.in_features
+    def _groups(self, layer) -> int:
+        k = layer.in_features
         per_word = 32 // self.bits
         g = self.group_size
         if g is not None and k % g:
             raise ValueError(f"int{self.bits} group_size={g} does not divide this rank's input size {k}")
         if k % per_word:
             raise ValueError(f"int{self.bits} packing needs the input size ({k}) to be a multiple of {per_word}")
-        groups = 1 if g is None else k // g
+        return 1 if g is None else k // g
+
+    def create_weights(self, layer, device) -> None:
+        n, k = layer.out_features, layer.in_features
+        per_word, g, groups = 32 // self.bits, self.group_size, self._groups(layer)
         add_param(layer, "weight_packed", (n, k // per_word), torch.int32, Sharding(1, per_word), device=device)
         add_param(layer, "weight_scale", (n, groups), layer.params_dtype, Sharding(1, g), device=device)
         if not self.symmetric:
@@ -66,9 +75,9 @@ class WNA16LinearMethod(LinearMethod):
                       device=device)
 
     def dense_weight(self, layer) -> torch.Tensor:
-        return dequantize_packed(layer.weight_packed, layer.weight_scale.float(), self.bits,
-                                 self.group_size or layer.in_features, self._zero_point(layer),
-                                 layer.in_features).to(layer.params_dtype)
+        packed, scale = getattr(layer, self.packed_name), getattr(layer, self.scale_name)
+        return dequantize_packed(packed, scale.float(), self.bits, self.group_size or layer.in_features,
+                                 self._zero_point(layer), layer.in_features).to(layer.params_dtype)
 
     def _zero_point(self, layer) -> torch.Tensor | None:
         """The kernel's unsigned zero points [N, K / group] (uint8), unpacked once from the checkpoint's words."""
@@ -82,35 +91,132 @@ class WNA16LinearMethod(LinearMethod):
                                                                                  layer.out_features))
         return cached[1]
 
+    def _input_perm(self, layer) -> torch.Tensor | None:
+        """GPTQ act-order: the order of x's columns the weight's are stored in (None: as they come)."""
+        return None
+
     def init_dummy(self, layer, gen: torch.Generator) -> None:
-        dense = torch.empty(layer.out_features, layer.in_features, device=layer.weight_packed.device)
+        dense = torch.empty(layer.out_features, layer.in_features, device=getattr(layer, self.packed_name).device)
         dense.normal_(0.0, 0.02, generator=gen)
         self.load_dense(layer, dense)
 
     def load_dense(self, layer, dense: torch.Tensor) -> None:
         q, scale, zero = quantize_rtn(dense, self.bits, self.group_size, self.symmetric)
         offset = 1 << (self.bits - 1)  # stored unsigned
-        layer.weight_packed.data.copy_(pack_int32(q + offset, self.bits))
-        layer.weight_scale.data.copy_(scale)
+        getattr(layer, self.packed_name).data.copy_(pack_int32(q + offset, self.bits))
+        getattr(layer, self.scale_name).data.copy_(scale)
         if zero is not None:
-            layer.weight_zero_point.data.copy_(pack_int32((zero + offset).t(), self.bits).t())
+            self._store_zero_point(layer, zero + offset)
+
+    def _store_zero_point(self, layer, zero: torch.Tensor) -> None:
+        """Unsigned zero points [N, K / group] into this method's storage."""
+        layer.weight_zero_point.data.copy_(pack_int32(zero.t(), self.bits).t())
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        packed, scale = getattr(layer, self.packed_name), getattr(layer, self.scale_name)
         if x.is_cuda:
             group = self.group_size or layer.in_features
+            perm = self._input_perm(layer)
             x2 = x.reshape(-1, x.shape[-1])
-            if x2.shape[0] <= GEMV_ROWS:  # decode: stream the packed weight, no tensor-core tile padding
+            if x2.shape[0] <= GEMV_ROWS and perm is None:  # decode: stream the packed weight, no tile padding
                 from surge.kernels.gemv import int_gemv
-                out = int_gemv(x2, layer.weight_packed, layer.weight_scale, bits=self.bits, group_size=group,
+                out = int_gemv(x2, packed, scale, bits=self.bits, group_size=group,
                                zero_point=self._zero_point(layer), bias=bias)
                 return out.view(*x.shape[:-1], out.shape[-1])
             from surge.kernels.int4_gemm import int_gemm
-            return int_gemm(x, layer.weight_packed, layer.weight_scale, bits=self.bits, group_size=group,
-                            zero_point=self._zero_point(layer), bias=bias)
+            return int_gemm(x, packed, scale, bits=self.bits, group_size=group, zero_point=self._zero_point(layer),
+                            input_perm=perm, bias=bias)
         from surge.model.layers.gemm import linear
-        key = (layer.weight_packed.data_ptr(), layer.weight_packed._version, layer.weight_scale._version)
+        key = (packed.data_ptr(), packed._version, scale._version)
         cached = layer.__dict__.get("_wna16_dense")
         if cached is None or cached[0] != key:
             with torch.inference_mode(False):  # a tensor with a version counter, for the GEMM's packed copy
-                cached = layer.__dict__["_wna16_dense"] = (key, self.dense_weight(layer))
+                cached = layer.__dict__["_wna16_dense"] = (key, self._dense_in_input_order(layer))
         return linear(x, cached[1], bias, owner=layer)
+
+    def _dense_in_input_order(self, layer) -> torch.Tensor:
+        dense, perm = self.dense_weight(layer), self._input_perm(layer)
+        if perm is None:
+            return dense
+        unsorted = torch.empty_like(dense)
+        unsorted[:, perm.long()] = dense  # stored column j is input channel perm[j]
+        return unsorted
+
+
+@dataclass(frozen=True)
+class RepackedWNA16Method(WNA16LinearMethod):
+    """AWQ and GPTQ checkpoints: their tensors keep their names (qweight, scales, qzeros, g_idx) but are stored in
+    the canonical layout, each converted whole as it arrives (`convert`, the format's), then narrowed into this
+    rank's rows or columns by the layer's loader like any other:
+    - qweight int32 [N, K * bits / 32] packed along K (act-order: K sorted by group);
+    - scales [N, K / group] in the activations' dtype;
+    - qzeros uint8 [N, K / group], unsigned, unpacked (a GPTQ v1 zero may read 2^bits, which no packed field holds);
+    - g_idx int32 [K] (act-order only): the checkpoint's; the input permutation is derived from it. A merged layer's
+      parts share their input, so their g_idx must be the same (as GPTQ's act-order makes them): one permutation.
+    A qweight that arrives before its layer's g_idx waits for it (act-order only)."""
+    act_order: bool = False
+    name: str = "repacked-wna16"
+    packed_name: ClassVar[str] = "qweight"
+    scale_name: ClassVar[str] = "scales"
+
+    def convert(self, name: str, loaded: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+        """A checkpoint tensor (qweight, scales or qzeros; one part of a merged layer, whole) -> the canonical
+        layout; perm: act-order's column order for qweight."""
+        raise NotImplementedError
+
+    def create_weights(self, layer, device) -> None:
+        n, k = layer.out_features, layer.in_features
+        per_word, g, groups = 32 // self.bits, self.group_size, self._groups(layer)
+        add_param(layer, "qweight", (n, k // per_word), torch.int32, Sharding(1, per_word), device=device)
+        add_param(layer, "scales", (n, groups), layer.params_dtype, Sharding(1, g), device=device)
+        add_param(layer, "qzeros", (n, groups), torch.uint8, Sharding(1, g), device=device)
+        if self.act_order:
+            add_param(layer, "g_idx", (k,), torch.int32, Sharding(None, None), device=device)
+        for name, param in layer.named_parameters(recurse=False):
+            if name != "bias":
+                param.weight_loader = partial(self._load, layer, name)
+
+    def _load(self, layer, name: str, param: torch.nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        waiting = layer.__dict__.setdefault("_qweight_waiting", [])
+        if name == "g_idx":
+            if loaded.shape != param.shape:
+                raise ValueError(f"g_idx of shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+            if layer.__dict__.get("_g_idx_loaded") and not torch.equal(param.data, loaded.to(param.device,
+                                                                                            param.dtype)):
+                raise ValueError("the parts of a merged layer have different g_idx (act-order permutations); "
+                                 "Surge runs them as one GEMM with one input order")
+            param.data.copy_(loaded)
+            layer.__dict__["_g_idx_loaded"] = True
+            for qweight, shard in waiting:
+                self._load(layer, "qweight", layer.qweight, qweight, shard)
+            waiting.clear()
+            return
+        if name == "qweight" and self.act_order and not layer.__dict__.get("_g_idx_loaded"):
+            waiting.append((loaded, shard_id))
+            return
+        perm = self._input_perm(layer) if name == "qweight" else None
+        layer.weight_loader(param, self.convert(name, loaded, perm), shard_id)
+
+    def _zero_point(self, layer) -> torch.Tensor:
+        return layer.qzeros
+
+    def _store_zero_point(self, layer, zero: torch.Tensor) -> None:
+        layer.qzeros.data.copy_(zero)
+
+    def load_dense(self, layer, dense: torch.Tensor) -> None:
+        super().load_dense(layer, dense)
+        if self.symmetric:
+            layer.qzeros.data.fill_(1 << (self.bits - 1))
+        if self.act_order:
+            layer.g_idx.data.copy_(torch.arange(layer.in_features) // (self.group_size or layer.in_features))
+
+    def _input_perm(self, layer) -> torch.Tensor | None:
+        if not self.act_order:
+            return None
+        key = (layer.g_idx.data_ptr(), layer.g_idx._version)
+        cached = layer.__dict__.get("_act_order_perm")
+        if cached is None or cached[0] != key:
+            from surge.kernels.int_packing import act_order_perm
+            cached = layer.__dict__["_act_order_perm"] = (key, act_order_perm(layer.g_idx, self.group_size
+                                                                               or layer.in_features))
+        return cached[1]
