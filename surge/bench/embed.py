@@ -123,6 +123,9 @@ def _best(fn, repeats: int, device: torch.device):
 
 
 def run_embed(args: argparse.Namespace) -> None:
+    # Off: a repeat (or the warm-up) would find the texts' KV cached and pool without computing them (the H200's
+    # first run reported 10x the GEMM peak so).
+    args.no_prefix_caching = True
     engine = build_engine(args)
     mc, device = engine.config.model_config, engine.config.device
     if mc.runner != "pooling" or mc.is_cross_encoder:

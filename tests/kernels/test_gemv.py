@@ -36,8 +36,8 @@ def test_fp8_gemv_matches_dequantized_linear(block, m, n, k, dtype, device):
     torch.testing.assert_close(got.cpu().float(), expected, atol=tol, rtol=tol)
 
 
-def test_launch_policy_steps_512_columns_a_row_until_128():
-    assert [launch_policy(m, 4096, 4096).block_k for m in (1, 2, 3, 4)] == [512, 256, 128, 128]
+def test_launch_policy_steps_1024_columns_a_row_until_128():
+    assert [launch_policy(m, 4096, 4096).block_k for m in (1, 2, 3, 4)] == [1024, 512, 256, 256]
     assert launch_policy(1, 4096, 100).block_k == 128 and launch_policy(1, 4096, 48).block_k == 64
 
 
