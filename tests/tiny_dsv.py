@@ -5,7 +5,8 @@ V2: queries straight from q_proj (q_lora_rank None), group-limited softmax routi
 groups eligible, 3 per token), a shared expert, every layer sparse, default rope. V3: low-rank queries (q_lora_rank),
 sigmoid routing with a correction bias (noaux_tc) in 2 groups of which 1 is eligible, renormalized and scaled, the
 first layer dense, yarn rope whose mscale and mscale_all_dim differ (so both the rope's attention factor and the
-softmax scale's mscale ** 2 matter). Both: v_head_dim differs from qk_nope + qk_rope, attention biases off."""
+softmax scale's mscale ** 2 matter); and V3 with NeoX rope (rope_interleave false) and attention biases. All:
+v_head_dim differs from qk_nope + qk_rope."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,7 +21,7 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_inter
                max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
                tie_word_embeddings=False)
 
-KINDS = ("deepseek-v2", "deepseek-v3")
+KINDS = ("deepseek-v2", "deepseek-v3", "deepseek-v3-neox-bias")
 
 
 def tiny_config(kind: str):
@@ -29,6 +30,10 @@ def tiny_config(kind: str):
                                 topk_method="group_limited_greedy", n_group=4, topk_group=2,
                                 routed_scaling_factor=1.5, first_k_dense_replace=0,
                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if kind == "deepseek-v3-neox-bias":  # rope in halves (rope_interleave false), biases on q_a, kv_a and o
+        config = tiny_config("deepseek-v3")
+        config.rope_interleave, config.attention_bias = False, True
+        return config
     if kind == "deepseek-v3":
         return DeepseekV3Config(**_COMMON, q_lora_rank=48, num_experts_per_tok=2, n_group=2, topk_group=1,
                                 norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1,

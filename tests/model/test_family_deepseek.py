@@ -6,6 +6,7 @@ name."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -17,7 +18,10 @@ from surge import LLM, SamplingParams
 from surge.config import ModelConfig
 from surge.core.kv_cache.spec import MLAAttentionSpec
 from surge.model.loader.base import build_model
+from surge.model.models.deepseek_v2 import DeepseekMoE
+from surge.model.models.llama import MLP
 from surge.model.models.registry import MODEL_REGISTRY
+from surge.model.presets import preset_model_config
 from tiny_dsv import KINDS, make_tiny_model
 
 
@@ -106,3 +110,45 @@ def test_deepseek_tp2_matches_one_rank(tiny, expert_parallel):
         for d, e in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
             assert list(d) == list(e)
             assert all(d[t].logprob == pytest.approx(e[t].logprob, abs=1e-4) for t in d)
+
+
+def test_deepseek_v2_lite_preset_shapes():
+    """The benchmark preset (deepseek-ai/DeepSeek-V2-Lite's config) builds, shapes only: 15.7B parameters, a dense
+    first layer, yarn's mscale ** 2 in the softmax scale, and a KV cache of 576 values a token and layer: 1152 bytes
+    in bf16 where a cache of expanded keys (192) and values (128) per head would hold 16 * 320 * 2 = 10240."""
+    mc = preset_model_config("deepseek-v2-lite", "bfloat16", torch.device("cpu"), max_model_len=4096)
+    with torch.device("meta"):
+        model = build_model(mc, torch.device("meta"))
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == 15.7
+    assert isinstance(model.layers[0].mlp, MLP) and all(isinstance(layer.mlp, DeepseekMoE)
+                                                        for layer in model.layers[1:])
+    mscale = 0.1 * 0.707 * math.log(40) + 1.0
+    params = {layer.params for layer in model.attention_layers()}
+    assert len(params) == 1 and params.pop().scale == pytest.approx(192 ** -0.5 * mscale ** 2)
+    spec = model.attention_layers()[0].kv_cache_spec(16, torch.bfloat16)
+    assert spec.page_size_bytes // 16 == 1152
+
+
+def test_deepseek_v3_config_shapes():
+    """deepseek-ai/DeepSeek-V3's config.json (its FP8 quantization_config aside) builds on the meta device: 671B
+    parameters without the MTP layer, which the checkpoint ships as layer 61 and the loader skips."""
+    config = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=7168,
+                  intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                  num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5,
+                  kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+                  topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
+                  norm_topk_prob=True, scoring_func="sigmoid", moe_layer_freq=1, num_nextn_predict_layers=1,
+                  vocab_size=129280, max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  hidden_act="silu", rope_theta=10000, ep_size=1, aux_loss_alpha=0.001, seq_aux=True,
+                  rope_scaling=dict(type="yarn", factor=40, beta_fast=32, beta_slow=1, mscale=1.0,
+                                    mscale_all_dim=1.0, original_max_position_embeddings=4096))
+    mc = ModelConfig.from_hf_config("deepseek-v3", config, {}, "bfloat16", torch.device("cpu"), 4096,
+                                    load_format="dummy", supported_architectures=tuple(MODEL_REGISTRY))
+    with torch.device("meta"):
+        model = build_model(mc, torch.device("meta"))
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9) == 671
+    assert model.checkpoint_name_to_param("model.layers.61.mlp.experts.3.gate_proj.weight") is None
+    assert model.checkpoint_name_to_param("model.layers.60.mlp.experts.3.gate_proj.weight") == (
+        "layers.60.mlp.experts.gate_up_proj", ("gate", 3))
+    assert model.checkpoint_name_to_param("model.layers.3.mlp.gate.e_score_correction_bias") == (
+        "layers.3.mlp.gate.e_score_correction_bias", None)
