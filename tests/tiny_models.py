@@ -56,7 +56,7 @@ def save_tiny(config, path: Path, seed: int = 0, extra: tuple[tuple[str, float],
     """An HF model of `config`, randomized where HF's init would hide a mistake, saved with the byte tokenizer.
     HF initializes norms to 1 (or 0 for (1 + w) norms) and biases to 0: norms uniform in [0.5, 1.5], biases
     normal(0, 0.1); a decisive MoE router (mlp.gate.weight, normal(0, 0.3)). `extra`: (name fragment, std) rules
-    tried first (a family's sinks, a larger router or q/k scale)."""
+    tried first (a family's sinks, a larger router or q/k scale), and on buffers too (DeepSeek V3's router bias)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -70,6 +70,10 @@ def save_tiny(config, path: Path, seed: int = 0, extra: tuple[tuple[str, float],
                 p.normal_(0.0, 0.1)
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.3)
+        for name, b in model.named_buffers():  # buffers saved with the weights (a router's correction bias)
+            rule = next((std for fragment, std in extra if fragment in name), None)
+            if rule is not None:
+                b.normal_(0.0, rule)
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from surge.core.kv_cache.spec import KVCacheSpec
 from surge.kernels.reference import rms_norm, rotate
 
 
@@ -49,6 +50,11 @@ class AttentionParams:
     has_sinks: bool = False  # a learned logit per query head joins each softmax's denominator (gpt-oss)
     causal: bool = True
     head_dim_v: int | None = None  # values' head size where it differs from keys' (MLA); None: head_dim
+    # Multi-head latent attention (DeepSeek V2/V3): keys and values are per-head projections of a cached latent of
+    # kv_lora_rank values plus a rotated key of qk_rope_head_dim values shared by every head (the last channels of
+    # each query/key head); num_kv_heads is 1, the latent's. None: standard attention.
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -59,8 +65,20 @@ class AttentionParams:
             raise ValueError(f"logit_softcap={self.logit_softcap} must be positive")
         if not self.causal:
             raise ValueError("non-causal attention is not supported by the paged backends yet")
-        if self.head_dim_v not in (None, self.head_dim):
-            raise ValueError(f"head_dim_v={self.head_dim_v} differs from head_dim={self.head_dim}: not supported yet")
+        if self.is_mla:
+            if self.num_kv_heads != 1 or not 0 < self.qk_rope_head_dim < self.head_dim or self.head_dim_v is None:
+                raise ValueError(f"an MLA layer has one latent KV head, 0 < qk_rope_head_dim < head_dim and a "
+                                 f"head_dim_v: got num_kv_heads={self.num_kv_heads}, qk_rope_head_dim="
+                                 f"{self.qk_rope_head_dim}, head_dim={self.head_dim}, head_dim_v={self.head_dim_v}")
+            if self.sliding_window is not None or self.logit_softcap is not None or self.has_sinks:
+                raise ValueError("an MLA layer with a sliding window, soft-capping or sinks is not supported")
+        elif self.head_dim_v not in (None, self.head_dim):
+            raise ValueError(f"head_dim_v={self.head_dim_v} differs from head_dim={self.head_dim}: only MLA layers "
+                             "support that")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
 
 
 @dataclass
@@ -101,9 +119,9 @@ class AttentionBackend(ABC):
     # Decode steps may be captured in CUDA graphs: the backend reads every live length from device tensors.
     supports_cuda_graphs = False
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        """The shape of one layer's cache tensor (keys and values)."""
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+    def kv_cache_shape(self, num_blocks: int, spec: KVCacheSpec) -> tuple[int, ...]:
+        """The shape of one layer's cache tensor: the spec's layout ([planes, num_blocks, block_size, heads, dim])."""
+        return spec.cache_shape(num_blocks)
 
     def build_metadata(self, common: CommonAttentionMetadata, slot_mapping: torch.Tensor,
                        block_table: torch.Tensor) -> AttentionMetadata:
@@ -133,6 +151,21 @@ class AttentionBackend(ABC):
         k, v at meta.slot_mapping (quantized for an FP8 cache, and then every key and value attended to, this step's
         too, is the stored one); returns [T, Hq, D]. A query at position p attends to positions <= p, and with a
         sliding window only to positions > p - sliding_window."""
+
+
+    def forward_mla(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, params: AttentionParams, kv_b_weight: torch.Tensor) -> torch.Tensor:
+        """Multi-head latent attention (params.is_mla). q: [T, H, nope + rope], its rope channels rotated; kv_c:
+        [T, kv_lora_rank], the normed latent; k_pe: [T, rope], rotated; kv_cache: an MLAAttentionSpec's layout;
+        kv_b_weight: [H * (nope + head_dim_v), kv_lora_rank], this rank's heads of kv_b_proj. Writes [kv_c | k_pe]
+        at meta.slot_mapping; returns [T, H, head_dim_v]. Plain torch on every device until an MLA kernel exists
+        (surge/attention/mla.py)."""
+        from surge.attention.mla import mla_forward
+        return mla_forward(q, kv_c, k_pe, kv_cache, meta, params, kv_b_weight)
+
+    def supports_cuda_graphs_for(self, layers: tuple[AttentionParams, ...]) -> bool:
+        """Whether steps of a model with these layers may be captured: the torch MLA path reads host lengths."""
+        return self.supports_cuda_graphs and not any(p.is_mla for p in layers)
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

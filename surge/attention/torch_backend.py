@@ -39,7 +39,8 @@ class DecodePlan:
 
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    plans: dict[int | None, DecodePlan] = field(default_factory=dict)  # sliding window -> plan, built on first use
+    # sliding window -> plan, built on first use ("mla": surge/attention/mla.py's plan of the MLA layers)
+    plans: dict[int | str | None, DecodePlan] = field(default_factory=dict)
     # (positions, cos table) -> the step's rotary factors [T, 1, D]: cos | cos and -sin | sin, built on first use
     rotary: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 

@@ -113,17 +113,16 @@ class KVConnectorBase:
 
 def block_layout_key(config: EngineConfig, kv_cache_config: KVCacheConfig, group_id: int, rank: int) -> str:
     """What makes two engines' blocks interchangeable: model, dtype, TP size and rank, block size, the group's
-    spec (kind, heads, head size, window). Engines whose keys differ never read each other's blocks."""
+    spec's layout id (kind, heads, head size, window; an MLA latent's split). Engines whose keys differ never read
+    each other's blocks."""
     mc, pc = config.model_config, config.parallel_config
     spec = kv_cache_config.groups[group_id].spec
-    window = getattr(spec, "sliding_window", 0)
     return (f"{mc.model}|{mc.architecture}|{str(spec.dtype).removeprefix('torch.')}|tp{pc.tensor_parallel_size}"
-            f".{rank}|bs{spec.block_size}|g{group_id}:{type(spec).__name__}:{spec.num_kv_heads}x{spec.head_dim}"
-            f":w{window}")
+            f".{rank}|bs{spec.block_size}|g{group_id}:{spec.layout_id}")
 
 
 def write_blocks(cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
-    """cache[:, block_ids] = blocks (a layer's [2, num_blocks, ...] cache): on raw bytes for a float8 cache, whose
+    """cache[:, block_ids] = blocks (a layer's [planes, num_blocks, ...] cache): on raw bytes for a float8 cache, whose
     dtype CPU index_copy_ has no kernel for."""
     if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         cache, blocks = cache.view(torch.uint8), blocks.view(torch.uint8)

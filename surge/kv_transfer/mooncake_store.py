@@ -484,7 +484,7 @@ class MooncakeStoreConnector(KVConnectorBase):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self._caches = kv_caches
         self._pin = kv_caches[0].device.type == "cuda"
-        # One slot holds one block of one group: all its layers, [layers, 2, block_size, heads, head_dim].
+        # One slot holds one block of one group: all its layers, [layers, planes, block_size, heads, head_dim].
         self._group_shape, self._group_bytes = {}, {}
         for g in self.groups:
             layers = self.kv_cache_config.groups[g].layer_ids
@@ -504,7 +504,7 @@ class MooncakeStoreConnector(KVConnectorBase):
                     self._slot_bytes / 2**20, "pinned" if self._pin else "plain", self.rank)
 
     def _staged(self, group_id: int, first_slot: int, n: int) -> torch.Tensor:
-        """Slots [first_slot, first_slot + n) as one group's blocks: [n, layers, 2, block_size, heads, head_dim]."""
+        """Slots [first_slot, first_slot + n) as one group's blocks: [n, layers, planes, block_size, heads, head_dim]."""
         rows = self._staging[first_slot * self._slot_bytes:(first_slot + n) * self._slot_bytes]
         rows = rows.view(n, self._slot_bytes)[:, :self._group_bytes[group_id]]
         layer = self._caches[self.kv_cache_config.groups[group_id].layer_ids[0]]

@@ -188,7 +188,7 @@ class OffloadingConnector(KVConnectorBase):
         pin = kv_caches[0].device.type == "cuda"
         for g in self.groups:
             layers = self.kv_cache_config.groups[g].layer_ids
-            page = kv_caches[layers[0]][:, 0].shape  # (2, block_size, heads, head_dim)
+            page = kv_caches[layers[0]][:, 0].shape  # (planes, block_size, heads, head_dim)
             # A slot is one contiguous run of every layer's block: consecutive slots cross in one copy.
             self._pool[g] = torch.zeros((num_slots, len(layers), *page), dtype=kv_caches[layers[0]].dtype,
                                         pin_memory=pin)

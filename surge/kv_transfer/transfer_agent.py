@@ -31,9 +31,10 @@ _SCRATCH_BYTES = 1 << 16  # registered memory for peers' descriptors and the one
 
 
 class LayerRegion(msgspec.Struct, array_like=True, gc=False):
-    """One layer's cache, [2, num_blocks, block_size, heads, head_dim]: where K and V start and a block's stride."""
+    """One layer's cache, [planes, num_blocks, block_size, heads, head_dim]: where each plane starts (K and V, or an
+    MLA latent's one) and a block's stride."""
     group_id: int
-    kv_ptrs: tuple[int, int]
+    kv_ptrs: tuple[int, ...]
     block_stride: int  # bytes from one block to the next (== a block's bytes: blocks are contiguous)
 
 
@@ -41,7 +42,7 @@ class EngineLayout(msgspec.Struct, array_like=True, gc=False):
     """What a peer must know to read this engine's blocks; layouts must match for the bytes to mean the same."""
     engine_id: str
     layout_digest: str  # of every transferable group's block_layout_key
-    block_bytes: list[int]  # per KV cache group: one layer's K (or V) of one block
+    block_bytes: list[int]  # per KV cache group: one plane (K, V or an MLA latent) of one layer's block
     layers: list[LayerRegion]
 
 
@@ -113,7 +114,7 @@ class TransferAgent:
             if staging_bytes is None:
                 self._register(cache.data_ptr(), cache.numel() * size)
             block_bytes[group_id] = cache[0, 0].numel() * size
-            layers.append(LayerRegion(group_id, (cache[0].data_ptr(), cache[1].data_ptr()), cache.stride(1) * size))
+            layers.append(LayerRegion(group_id, tuple(plane.data_ptr() for plane in cache), cache.stride(1) * size))
         self.layout = EngineLayout(self.engine_id, layout_digest, block_bytes, layers)
         encoded = msgspec.msgpack.encode(self.layout)
         if len(encoded) > _SCRATCH_BYTES:
@@ -135,7 +136,7 @@ class TransferAgent:
         self.staging, offset = [], 0
         for c in kv_caches:
             n = c[:, 0].numel() * c.element_size() * num_slots
-            view = buf[offset:offset + n].view(c.dtype).view(2, num_slots, *c.shape[2:])
+            view = buf[offset:offset + n].view(c.dtype).view(c.shape[0], num_slots, *c.shape[2:])
             self.staging.append(view)
             offset += n
         self._free_runs = [(1, num_slots - 1)]  # slot 0 unused: id 0 means "no block" in block lists
@@ -238,7 +239,7 @@ class TransferAgent:
                 continue
             j = groups.index(g)
             for lo, re, n in merged_runs(local_ids[j], remote_ids[j]):
-                for kv in (0, 1):
+                for kv in range(len(mine_layer.kv_ptrs)):
                     mine.append(mine_layer.kv_ptrs[kv] + lo * mine_layer.block_stride)
                     theirs.append(their_layer.kv_ptrs[kv] + re * their_layer.block_stride)
                     lengths.append(n * local.block_bytes[g])

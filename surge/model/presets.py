@@ -66,6 +66,21 @@ _GPT_OSS_20B = dict(
     rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                       original_max_position_embeddings=4096))
 
+# deepseek-ai/DeepSeek-V2-Lite's config.json: 15.7B parameters, 2.4B active per token (6 of 64 routed experts and 2
+# shared in each of 26 sparse layers); MLA with a 512 latent + 64 rope key cached per token and layer (q_lora_rank
+# null); yarn x40 over 4096 positions.
+_DEEPSEEK_V2_LITE = dict(
+    architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944,
+    moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+    kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1,
+    n_group=1, topk_group=1, topk_method="greedy", scoring_func="softmax", norm_topk_prob=False,
+    routed_scaling_factor=1.0, aux_loss_alpha=0.001, seq_aux=True, ep_size=1, vocab_size=102400,
+    max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+    attention_dropout=0.0, bos_token_id=100000, eos_token_id=100001, hidden_act="silu", rope_theta=10000,
+    rope_scaling=dict(type="yarn", factor=40, beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707,
+                      original_max_position_embeddings=4096))
+
 _TINY = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
     num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=4096,
@@ -89,6 +104,7 @@ PRESETS: dict[str, dict] = {
     "mistral-7b": _MISTRAL_7B,
     "gemma-3-12b": _GEMMA3_12B,
     "gpt-oss-20b": _GPT_OSS_20B,
+    "deepseek-v2-lite": _DEEPSEEK_V2_LITE,
     "tiny-llama": _TINY,
     "tiny-qwen3-hybrid": _TINY_HYBRID,
     "tiny-qwen3-moe": _TINY_MOE,

@@ -81,8 +81,9 @@ class DraftModel:
                                  f"has {kind}, which no KV cache group of the target has (the draft shares the "
                                  "target's block tables)")
             group = target.groups[windows[window]]
-            shape = backend.kv_cache_shape(target.num_blocks, group.spec.block_size, attn.num_kv_heads, attn.head_dim)
-            cache = torch.zeros(shape, dtype=cc.cache_dtype(mc.dtype), device=self.device)
+            dtype = cc.cache_dtype(mc.dtype)
+            shape = backend.kv_cache_shape(target.num_blocks, attn.kv_cache_spec(group.spec.block_size, dtype))
+            cache = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.kv_cache, attn.group_id, attn.backend = cache, group.group_id, backend
             self.kv_caches.append(cache)
         self.inputs = StepInputs(sc.max_num_seqs, sc.max_num_seqs, -(-mc.max_model_len // cc.block_size),

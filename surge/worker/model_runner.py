@@ -159,7 +159,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             use_cached_triton_key()  # before the process's first Triton compile, on whichever thread that is
         self.graph_runner: CUDAGraphRunner | None = None
-        graphs = not config.enforce_eager and self.backend.supports_cuda_graphs
+        # A backend's graph-safe paths read lengths on the device; its host-side ones (MLA for now) need exact ones.
+        self.graph_safe = self.backend.supports_cuda_graphs_for(distinct_attention_params(self.model))
+        graphs = not config.enforce_eager and self.graph_safe
         # Under TP a capture records collectives, whose order must match on every rank: all at start-up.
         background = graphs and config.cuda_graph_capture == "background" and self.tp.world_size == 1
         # Background: the kernel warm-up and every capture run on a thread once the first step is launched (or the
@@ -238,12 +240,12 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         """One tensor per layer, in the layout its backend asks for."""
-        mc, kvc = self.config.model_config, self.kv_cache_config
+        kvc = self.kv_cache_config
         self.kv_caches: list[torch.Tensor] = []
         for layer_id, attn in enumerate(self.model.attention_layers()):
             group = kvc.group_of_layer(layer_id)
             spec = group.spec
-            shape = self.backend.kv_cache_shape(kvc.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+            shape = self.backend.kv_cache_shape(kvc.num_blocks, spec)
             # Not zeroed: no backend reads a slot no request wrote (both are tested with NaN there), and a fill would
             # touch every page of the budget before the first request (seconds for a few GiB on some CPU hosts).
             cache = torch.empty(shape, dtype=spec.dtype, device=self.device)
@@ -302,7 +304,7 @@ class ModelRunner:
         num_tokens, num_reqs, query_start_loc, seq_lens = self.inputs.fill(
             scheduled, states, self._last_sampled, self._last_rows,
             mixed_padding=graphs.mixed_padding if graphs is not None else None, ahead=self._ahead,
-            exact_host_lengths=not self.backend.supports_cuda_graphs)
+            exact_host_lengths=not self.graph_safe)
         if self.lora is not None:
             self.lora.set_step([state.lora_request for state in states], [s.num_new_tokens for s in scheduled])
         max_query_len = max(s.num_new_tokens for s in scheduled)

@@ -16,7 +16,7 @@ from surge.core.kv_cache import hashing
 from surge.core.kv_cache.block_pool import BlockPool
 from surge.core.kv_cache.hashing import hash_block_tokens
 from surge.core.kv_cache.manager import KVCacheManager
-from surge.core.kv_cache.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheSpec,
+from surge.core.kv_cache.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheSpec, MLAAttentionSpec,
                                       SlidingWindowSpec, build_kv_cache_groups)
 from surge.core.request import Request
 from surge.sampling_params import SamplingParams
@@ -401,3 +401,24 @@ def test_get_block_ids_selects_groups_by_capability() -> None:
     # Only the prefix-cacheable group caches its blocks.
     assert all(kv.managers[1].pool.blocks[i].block_hash is not None for i in all_ids[1][:2])
     assert all(kv.managers[0].pool.blocks[i].block_hash is None for i in all_ids[0])
+
+
+def test_mla_spec_one_latent_plane_per_token() -> None:
+    """An MLA layer caches kv_lora_rank + qk_rope_head_dim values per token (DeepSeek V3: 512 + 64 = 576), one plane:
+    no factor 2 and no head count, 1/(2 * heads * head_dim / 576) of the standard cache of the same model; its own
+    group beside a standard spec of the same bytes, and a layout id naming the split, so no connector exchanges its
+    blocks with a K/V layout's."""
+    mla = MLAAttentionSpec(16, 1, 576, torch.bfloat16, kv_lora_rank=512)
+    assert mla.cache_shape(10) == (1, 10, 16, 1, 576)
+    assert mla.page_size_bytes == 16 * 576 * 2
+    assert FullAttentionSpec(16, 128, 192, torch.bfloat16).page_size_bytes == 2 * 16 * 128 * 192 * 2
+    assert FullAttentionSpec(16, 2, 8, torch.float32).cache_shape(10) == (2, 10, 16, 2, 8)
+    assert mla.prefix_cacheable and mla.transferable and mla.qk_rope_head_dim == 64
+    lookalike = FullAttentionSpec(16, 1, 288, torch.bfloat16)  # the same bytes a block
+    assert lookalike.page_size_bytes == mla.page_size_bytes
+    groups = build_kv_cache_groups([mla, lookalike, mla])
+    assert [(g.spec, g.layer_ids) for g in groups] == [(mla, (0, 2)), (lookalike, (1,))]
+    assert mla.layout_id == "MLAAttentionSpec:latent512+rope64" and lookalike.layout_id != mla.layout_id
+    assert FullAttentionSpec(4, 2, 8, torch.float32).layout_id == "FullAttentionSpec:2x8:w0"  # unchanged keys
+    with pytest.raises(ValueError, match="kv_lora_rank=0"):
+        MLAAttentionSpec(16, 1, 576, torch.bfloat16)

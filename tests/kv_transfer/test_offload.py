@@ -1,6 +1,6 @@
 """The CPU offload tier: prefixes evicted from the KV cache come back from host memory, token-identical to a run
-without any connector; loads may run in the background while other requests decode; a model with a KV group the
-store cannot keep starts, serves, and takes no hits."""
+without any connector (an MLA model's latent cache too); loads may run in the background while other requests decode;
+a model with a KV group the store cannot keep starts, serves, and takes no hits."""
 from __future__ import annotations
 
 import time
@@ -12,6 +12,7 @@ from surge import LLM, SamplingParams
 from surge.core.request import RequestStatus
 from surge.kv_transfer.factory import register_connector
 from surge.kv_transfer.offload import OffloadingConnector
+from tiny_dsv import make_tiny_model as make_tiny_deepseek
 from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -60,6 +61,22 @@ def test_evicted_prefix_comes_back_from_host_memory(model_dir, asynchronous, kv_
     # A sliding-window group keeps only the blocks its window held when the request finished, so the hybrid
     # model's hit at the shared prefix's end is not served (the window there was gone): it recomputes, identically.
     assert llm.engine.kv_cache_manager.usage == 0.0 and not llm.engine.has_unfinished_requests()
+
+
+def test_mla_latent_blocks_come_back_from_host_memory(tmp_path):
+    """DeepSeek V3's one-plane latent cache (MLAAttentionSpec) through the same pool: the prefix loaded, not
+    computed, and the tokens those of a run without the tier."""
+    model_dir = make_tiny_deepseek("deepseek-v3", tmp_path / "deepseek-v3")
+    prompts = _prompts()
+    ref = _tokens(LLM(model_dir, **ENGINE).generate(prompts, GREEDY, use_tqdm=False))
+    llm = LLM(model_dir, kv_transfer_config=_offload(), **ENGINE)
+    assert _tokens(llm.generate(prompts[:1], GREEDY, use_tqdm=False)) == ref[:1]
+    assert llm.reset_prefix_cache()
+    outs = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert _tokens(outs) == ref[1:]
+    stats = llm.engine.kv_connector.stats
+    assert stats.failures == 0 and stats.loaded_bytes > 0
+    assert all(o.num_cached_tokens >= 0.9 * PREFIX_LEN for o in outs), [o.num_cached_tokens for o in outs]
 
 
 def test_pool_evicts_least_recently_used(tmp_path):

@@ -7,7 +7,9 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, Qwen3MoeConfig
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
 from surge.config import ParallelConfig
@@ -33,6 +35,61 @@ def test_router_matches_hf(norm_topk_prob):
     torch.testing.assert_close(weights, hf_weights, rtol=1e-6, atol=1e-7)
     if norm_topk_prob:
         torch.testing.assert_close(weights.sum(-1), torch.ones(37))
+
+
+def _by_expert(weights, ids):
+    """Each token's (expert, weight) pairs in expert order: HF's topk(sorted=False) order is not part of the math."""
+    order = ids.argsort(dim=-1)
+    return ids.gather(1, order), weights.gather(1, order)
+
+
+@pytest.mark.parametrize("method,groups,scale", [("greedy", None, 1.0), ("greedy", None, 16.0),
+                                                 ("group_limited_greedy", (4, 2), 1.0),
+                                                 ("group_limited_greedy", (4, 1), 2.5)])
+def test_deepseek_v2_router_matches_hf(method, groups, scale):
+    """Softmax scores, optionally only from the topk_group groups of the best expert score, times the scaling."""
+    n_group, topk_group = groups or (None, None)
+    cfg = DeepseekV2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, topk_method=method,
+                           n_group=n_group, topk_group=topk_group, routed_scaling_factor=scale)
+    router = DeepseekV2TopkRouter(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+        x = torch.randn(41, 32)
+        _, hf_weights, hf_ids = router(x)
+        weights, ids = select_experts(x @ router.weight.T, 3, False, x.dtype, num_expert_group=n_group,
+                                      topk_group=topk_group, routed_scaling_factor=scale)
+    (ids, weights), (hf_ids, hf_weights) = _by_expert(weights, ids), _by_expert(hf_weights, hf_ids)
+    assert ids.tolist() == hf_ids.tolist()
+    torch.testing.assert_close(weights, hf_weights, rtol=1e-6, atol=1e-7)
+    if groups:  # every token's experts lie in at most topk_group groups
+        assert all(len(set((row // (16 // n_group)).tolist())) <= topk_group for row in ids)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("groups", [(4, 2), (8, 1), (1, 1)])
+def test_deepseek_v3_router_matches_hf(norm_topk_prob, groups):
+    """Sigmoid scores; the correction bias chooses (groups by their best two, then experts) but does not weight."""
+    n_group, topk_group = groups
+    cfg = DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=n_group,
+                           topk_group=topk_group, norm_topk_prob=norm_topk_prob, routed_scaling_factor=2.5)
+    router = DeepseekV3TopkRouter(cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+        router.e_score_correction_bias.normal_(0, 0.3)  # large enough to change choices
+        x = torch.randn(41, 32)
+        _, hf_weights, hf_ids = router(x)
+        weights, ids = select_experts(x @ router.weight.T, 4, norm_topk_prob, x.dtype, scoring_func="sigmoid",
+                                      num_expert_group=n_group, topk_group=topk_group,
+                                      e_score_correction_bias=router.e_score_correction_bias,
+                                      routed_scaling_factor=2.5)
+        unbiased_ids = select_experts(x @ router.weight.T, 4, norm_topk_prob, x.dtype, scoring_func="sigmoid",
+                                      num_expert_group=n_group, topk_group=topk_group)[1]
+    (ids, weights), (hf_ids, hf_weights) = _by_expert(weights, ids), _by_expert(hf_weights, hf_ids)
+    assert ids.tolist() == hf_ids.tolist()
+    torch.testing.assert_close(weights, hf_weights, rtol=1e-6, atol=1e-7)
+    assert unbiased_ids.sort(-1).values.tolist() != ids.tolist()  # the bias mattered
 
 
 @pytest.mark.parametrize("step,dense", [(1, []), (2, []), (1, [0, 3]), (3, [2])])

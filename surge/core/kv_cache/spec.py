@@ -1,6 +1,8 @@
 """KV cache specs and groups: one group per attention kind, each spec declaring what consumers may do with it.
 
-Consumers select groups by declared capability (`prefix_cacheable`, `transferable`), never by class name.
+Consumers select groups by declared capability (`prefix_cacheable`, `transferable`), never by class name. A spec
+owns its layer's cache layout: [planes, num_blocks, block_size, heads, head_dim], planes K and V (2) for standard
+attention, one for an MLA latent; the block is dimension 1 in every layout, which the KV connectors index.
 """
 from __future__ import annotations
 
@@ -17,9 +19,25 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @property
+    def num_planes(self) -> int:
+        """Tensors cached per token and head: keys and values."""
+        return 2
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's cache tensor: [planes, num_blocks, block_size, heads, head_dim]."""
+        return (self.num_planes, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
     def page_size_bytes(self) -> int:
-        """Bytes of one block of one layer: keys and values."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of one block of one layer: every plane (keys and values)."""
+        return self.num_planes * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def layout_id(self) -> str:
+        """What a block's bytes mean (kind, heads, head size, window): connectors exchange blocks only between
+        caches whose layout ids are equal."""
+        window = getattr(self, "sliding_window", 0)
+        return f"{type(self).__name__}:{self.num_kv_heads}x{self.head_dim}:w{window}"
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -50,6 +68,41 @@ class SlidingWindowSpec(KVCacheSpec):
     def __post_init__(self) -> None:
         if self.sliding_window <= 0:
             raise ValueError(f"sliding_window={self.sliding_window} must be positive")
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return True
+
+    @property
+    def transferable(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(KVCacheSpec):
+    """Multi-head latent attention (DeepSeek V2/V3): per token one "head" of the compressed latent (kv_lora_rank
+    values) followed by the shared rotated key (qk_rope_head_dim): head_dim = kv_lora_rank + qk_rope_head_dim, one
+    plane, no per-head keys or values (every query head expands or absorbs the same latent). The same on every
+    tensor-parallel rank: the latent is replicated. Full attention for the managers."""
+    kv_lora_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads != 1 or not 0 < self.kv_lora_rank < self.head_dim:
+            raise ValueError(f"an MLA cache holds one head of kv_lora_rank + qk_rope_head_dim values: got "
+                             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                             f"kv_lora_rank={self.kv_lora_rank}")
+
+    @property
+    def num_planes(self) -> int:
+        return 1
+
+    @property
+    def qk_rope_head_dim(self) -> int:
+        return self.head_dim - self.kv_lora_rank
+
+    @property
+    def layout_id(self) -> str:
+        return f"{type(self).__name__}:latent{self.kv_lora_rank}+rope{self.qk_rope_head_dim}"
 
     @property
     def prefix_cacheable(self) -> bool:

@@ -5,11 +5,13 @@ An FP8 KV cache reads the layer's per-tensor `k_scale` and `v_scale` (vLLM's nam
 float32 buffers, 1.0 unless the checkpoint has them; a cache of the model's dtype ignores them, as vLLM does."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from surge.attention.backend import AttentionBackend, AttentionMetadata, AttentionParams, Prologue
-from surge.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from surge.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SlidingWindowSpec
 
 
 class Attention(nn.Module):
@@ -62,6 +64,32 @@ class Attention(nn.Module):
         """meta: one per KV cache group; this layer reads its own group's."""
         return self.backend.forward(q, k, v, self.kv_cache, meta[self.group_id], self.params, prologue, self.sinks,
                                     self.k_scale, self.v_scale)
+
+
+class MLAAttention(Attention):
+    """Multi-head latent attention (DeepSeek V2/V3) over a latent KV cache (MLAAttentionSpec): per token one row of
+    the normed latent and the rotated rope key; the backend's forward_mla expands or absorbs kv_b_proj."""
+
+    def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                 kv_lora_rank: int, scale: float) -> None:
+        """num_heads: this rank's."""
+        super().__init__(num_heads, 1, qk_nope_head_dim + qk_rope_head_dim, scale=scale)
+        self.params = dataclasses.replace(self.params, head_dim_v=v_head_dim, kv_lora_rank=kv_lora_rank,
+                                          qk_rope_head_dim=qk_rope_head_dim)
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        if not dtype.is_floating_point or dtype.itemsize == 1:
+            raise ValueError(f"kv_cache_dtype={str(dtype).removeprefix('torch.')} is not supported for MLA layers "
+                             "yet; use kv_cache_dtype='auto'")
+        p = self.params
+        return MLAAttentionSpec(block_size, 1, p.kv_lora_rank + p.qk_rope_head_dim, dtype,
+                                kv_lora_rank=p.kv_lora_rank)
+
+    def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_weight: torch.Tensor,
+                meta: list[AttentionMetadata]) -> torch.Tensor:
+        """q: [T, H, nope + rope] (rope channels rotated); kv_c: [T, kv_lora_rank] normed; k_pe: [T, rope] rotated;
+        kv_b_weight: this rank's kv_b_proj weight. Returns [T, H, v_head_dim]."""
+        return self.backend.forward_mla(q, kv_c, k_pe, self.kv_cache, meta[self.group_id], self.params, kv_b_weight)
 
 
 def load_kv_scale(buffer: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:

@@ -179,7 +179,8 @@ class MergedColumnParallelLinear(Linear):
     """Several projections of one input stacked along the output dimension; each rank keeps its slice of every
     projection, so the local output is [proj0 slice | proj1 slice | ...]."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str | int | None, int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, shard_sizes: dict[str | int | None, int], bias: bool = False,
+                 quantizable: bool = True) -> None:
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
         self.shard_sizes = dict(shard_sizes)  # full (checkpoint) rows of each projection
@@ -189,7 +190,7 @@ class MergedColumnParallelLinear(Linear):
         for shard_id, (local, source_start) in self._local_shards().items():
             self.shard_layout[shard_id] = (offset, local, source_start)
             offset += local
-        super().__init__(in_features, offset, bias)
+        super().__init__(in_features, offset, bias, quantizable)
 
     def _local_shards(self) -> dict[str | int | None, tuple[int, int]]:
         """shard id -> (rows on this rank, first checkpoint row of them)."""
@@ -245,8 +246,8 @@ class MergedColumnParallelLinear(Linear):
 class ColumnParallelLinear(MergedColumnParallelLinear):
     """Output features split over the ranks; the output stays split (the next layer is row-parallel)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, {None: out_features}, bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quantizable: bool = True) -> None:
+        super().__init__(in_features, {None: out_features}, bias, quantizable)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

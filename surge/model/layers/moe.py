@@ -1,6 +1,7 @@
 """Mixture of experts: a router (softmax over experts, top-k, optionally renormalized; or top-k, then the softmax of
-those logits) and the experts' gated MLPs (SiLU, or gpt-oss's clamped SwiGLU; optionally with biases), whose weights
-are stacked per layer ([E, 2I, H] gate|up and [E, H, I] down) from per-expert or stacked checkpoint tensors.
+those logits; or DeepSeek's grouped softmax / sigmoid routing) and the experts' gated MLPs (SiLU, or gpt-oss's
+clamped SwiGLU; optionally with biases), whose weights are stacked per layer ([E, 2I, H] gate|up and [E, H, I] down)
+from per-expert or stacked checkpoint tensors.
 
 Split over the tensor-parallel ranks two ways. Without expert parallelism each rank holds a slice of every expert's
 intermediate size, like a dense MLP. With it (EP size = TP size) each rank holds E / tp whole experts. Either way
@@ -27,15 +28,29 @@ _PROJECTIONS = ("gate", "up", "down", "gate_up")
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype,
-                   use_kernel: bool | None = None, softmax_after_topk: bool = False
+                   use_kernel: bool | None = None, softmax_after_topk: bool = False, *,
+                   scoring_func: str = "softmax", num_expert_group: int | None = None, topk_group: int | None = None,
+                   e_score_correction_bias: torch.Tensor | None = None, routed_scaling_factor: float = 1.0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in dtype, expert ids [T, k]): softmax in float32 over the experts, the top k, divided by
     their sum when renormalize (norm_topk_prob), as HF transformers routes. softmax_after_topk (gpt-oss): the top k
     logits, then their softmax (in float32): renormalized weights, rounded as HF's gpt-oss router rounds them.
 
+    DeepSeek's variants (vLLM's names), through grouped_topk: scoring_func "sigmoid" (V3), e_score_correction_bias
+    (V3's noaux_tc: added to the scores to choose experts, not to weight them), num_expert_group / topk_group
+    (experts in groups, only the topk_group best groups eligible), routed_scaling_factor (times the weights).
+
     use_kernel: None, the fused router kernel on CUDA (one launch instead of softmax, topk's sorts and the sum;
     int32 ids, ties to the lowest expert id) and torch elsewhere; True, the kernel on any device (tests, under
-    TRITON_INTERPRET=1); False, torch."""
+    TRITON_INTERPRET=1); False, torch. The DeepSeek variants route in torch on every device (no kernel yet)."""
+    if (scoring_func != "softmax" or num_expert_group is not None or e_score_correction_bias is not None
+            or routed_scaling_factor != 1.0):
+        if softmax_after_topk:
+            raise ValueError("softmax_after_topk does not combine with grouped or sigmoid routing")
+        weights, ids = grouped_topk(router_logits, top_k, renormalize, scoring_func=scoring_func,
+                                    num_expert_group=num_expert_group, topk_group=topk_group,
+                                    e_score_correction_bias=e_score_correction_bias)
+        return (weights * routed_scaling_factor).to(dtype), ids
     if use_kernel is None:
         use_kernel = router_logits.is_cuda
     if use_kernel:
@@ -50,6 +65,47 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, d
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(dtype), ids
+
+
+def grouped_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, *, scoring_func: str = "softmax",
+                 num_expert_group: int | None = None, topk_group: int | None = None,
+                 e_score_correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing in float32, as HF transformers' DeepseekV2/V3 routers compute it: (weights [T, k] float32,
+    ids [T, k]).
+
+    Scores: softmax (V2) or sigmoid (V3) of the logits. Choice scores: the scores, plus e_score_correction_bias
+    when given. With num_expert_group, the experts form that many equal groups, each scored by its best choice score
+    (V2's group_limited_greedy) or, with a correction bias, the sum of its best two (V3's noaux_tc); experts outside
+    the topk_group best groups are not chosen (their choice scores 0 (V2) or -inf (V3)). The top_k choice scores
+    pick the experts; their weights are the scores without the bias, divided by their sum (+ 1e-20) when
+    renormalize."""
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func={scoring_func!r} is not supported; supported: 'softmax', 'sigmoid'")
+    logits = router_logits.float()
+    scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    if num_expert_group is not None and num_expert_group > 1:
+        num_tokens, num_experts = choice.shape
+        if num_experts % num_expert_group or not 1 <= (topk_group or 0) <= num_expert_group:
+            raise ValueError(f"n_group={num_expert_group} must divide the {num_experts} experts and topk_group="
+                             f"{topk_group} be in [1, n_group]")
+        grouped = choice.view(num_tokens, num_expert_group, -1)
+        if e_score_correction_bias is None:
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+        choice = choice.masked_fill(~expert_mask, 0.0 if e_score_correction_bias is None else float("-inf"))
+    if e_score_correction_bias is None:
+        weights, ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)
+    else:
+        ids = torch.topk(choice, k=top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights, ids
 
 
 class FusedMoE(nn.Module):

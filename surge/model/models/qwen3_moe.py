@@ -39,11 +39,17 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                               bool(cfg_get(tc, "norm_topk_prob", False)))
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, object] | None:
-        m = _EXPERT.match(name.removeprefix("model."))
-        if m is None:
-            return super().checkpoint_name_to_param(name)
-        if m["stacked"]:
-            return f"{m['prefix']}.{m['stacked']}_proj", (m["stacked"], None)
-        param = "down_proj" if m["proj"] == "down" else "gate_up_proj"
-        suffix = "" if m["tensor"] == "weight" else f"_{m['tensor']}"
-        return f"{m['prefix']}.{param}{suffix}", (m["proj"], int(m["expert"]))
+        return expert_param(name) or super().checkpoint_name_to_param(name)
+
+
+def expert_param(name: str) -> tuple[str, tuple[str, int | None]] | None:
+    """A routed expert's checkpoint tensor -> (the FusedMoE parameter, its shard id); None for other tensors. Scales
+    of quantized experts (weight_scale, weight_scale_inv) go to the parameter of the same suffix."""
+    m = _EXPERT.match(name.removeprefix("model."))
+    if m is None:
+        return None
+    if m["stacked"]:
+        return f"{m['prefix']}.{m['stacked']}_proj", (m["stacked"], None)
+    param = "down_proj" if m["proj"] == "down" else "gate_up_proj"
+    suffix = "" if m["tensor"] == "weight" else f"_{m['tensor']}"
+    return f"{m['prefix']}.{param}{suffix}", (m["proj"], int(m["expert"]))

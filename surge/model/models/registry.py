@@ -24,6 +24,7 @@ from surge.model.models.olmoe import OlmoeForCausalLM
 from surge.model.models.cohere import CohereForCausalLM
 from surge.model.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from surge.model.models.ernie4_5 import Ernie4_5ForCausalLM
+from surge.model.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from surge.model.models.pooling import as_pooling_model
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -54,6 +55,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

@@ -69,6 +69,18 @@ class LinearMethod:
         """The weight this method applies, [out, in] in the activations' dtype (references, the CPU path)."""
         return layer.weight
 
+    def cached_dense_weight(self, layer: Linear) -> torch.Tensor:
+        """dense_weight, computed once and again only after a parameter changed (for layers whose weight is read
+        directly, as MLA's kv_b_proj; the dequantized CPU paths)."""
+        if self is UNQUANTIZED:
+            return layer.weight
+        key = tuple((p.data_ptr(), p._version) for p in layer.parameters(recurse=False))
+        cached = layer.__dict__.get("_dense_weight")
+        if cached is None or cached[0] != key:
+            with torch.inference_mode(False):  # a tensor with a version counter, for the CPU GEMM's packed copy
+                cached = layer.__dict__["_dense_weight"] = (key, self.dense_weight(layer))
+        return cached[1]
+
     def moe_method(self) -> MoEMethod:
         """This method's counterpart for a mixture-of-experts layer the config quantizes alike."""
         if self.name == "unquantized":

@@ -129,21 +129,12 @@ class Fp8LinearMethod(LinearMethod):
         x2 = x.reshape(-1, x.shape[-1])
         x_sim = fp8_fake_quant(x2, "group" if self.activations == "group" else "token",
                                getattr(layer, self.input_scale_name, None), self.block[1] if self.block else 128)
-        return linear(x_sim.to(x.dtype).view(x.shape), self._dequantized(layer), bias, owner=layer)
+        return linear(x_sim.to(x.dtype).view(x.shape), self.cached_dense_weight(layer), bias, owner=layer)
 
     def scaled_mm_serves(self, x: torch.Tensor) -> bool:
         """torch._scaled_mm on the H200: bf16 (or fp16) activations, row-wise scales or 128 x 128 blocks. Otherwise
         (CPU, float32 models, other blocks) the dequantized path, which computes the same math."""
         return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.block in (None, (128, 128))
-
-    def _dequantized(self, layer) -> torch.Tensor:
-        """The weight in the activations' dtype, dequantized once (again after the weight changes)."""
-        key = (layer.weight.data_ptr(), layer.weight._version, getattr(layer, self.scale_name)._version)
-        cached = layer.__dict__.get("_fp8_dequantized")
-        if cached is None or cached[0] != key:
-            with torch.inference_mode(False):  # a tensor with a version counter, for the GEMM's packed copy
-                cached = layer.__dict__["_fp8_dequantized"] = (key, self.dense_weight(layer))
-        return cached[1]
 
     def _apply_cuda(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
