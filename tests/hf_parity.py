@@ -90,16 +90,16 @@ def check_prefix_hits_and_preemption(name: str, path, hf, vocab: int = 256, num_
     _check(name, records, prompts, outs, hf, vocab, atol)
 
 
-def check_two_ranks_decode_as_one(path, abs_logprob: float = 1e-4) -> None:
+def check_two_ranks_decode_as_one(path, abs_logprob: float = 1e-4, expert_parallel: bool = False) -> None:
     """Tensor parallelism over two CPU ranks (gloo) against one rank: the same greedy tokens, the same top-2
-    logprob tokens, their logprobs within abs_logprob."""
+    logprob tokens, their logprobs within abs_logprob. expert_parallel: the two ranks hold whole experts."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 19, 33)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     outs = []
     for tp in (1, 2):
-        llm = LLM(path, tensor_parallel_size=tp, block_size=4, max_model_len=128, device="cpu",
-                  kv_cache_memory=1 << 22, max_num_batched_tokens=24)
+        llm = LLM(path, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel and tp > 1, block_size=4,
+                  max_model_len=128, device="cpu", kv_cache_memory=1 << 22, max_num_batched_tokens=24)
         try:
             outs.append(llm.generate(prompts, params, use_tqdm=False))
         finally:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import hf_parity
-from surge import LLM, SamplingParams
+from surge import LLM
 from tiny_models import make_tiny_model, tiny_config
 from tiny_quant import save_awq, save_gptq
 
@@ -35,22 +34,7 @@ def test_awq_gptq_split_over_two_ranks_as_on_one(kind, tmp_path):
     """Column-parallel layers take rows of the converted weights, scales and zeros; row-parallel ones a slice of
     their input's groups."""
     CHECKPOINTS[kind](tmp_path)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 19, 33)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    outs = []
-    for tp in (1, 2):
-        llm = LLM(tmp_path, tensor_parallel_size=tp, block_size=4, max_model_len=128, device="cpu",
-                  kv_cache_memory=1 << 22, max_num_batched_tokens=24)
-        try:
-            outs.append(llm.generate(prompts, params, use_tqdm=False))
-        finally:
-            llm.engine.shutdown()
-    for one, two in zip(*outs):
-        assert two.outputs[0].token_ids == one.outputs[0].token_ids
-        for d1, d2 in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
-            for tok in d1:
-                assert d2[tok].logprob == pytest.approx(d1[tok].logprob, abs=1e-3)
+    hf_parity.check_two_ranks_decode_as_one(tmp_path, abs_logprob=1e-3)
 
 
 def test_gptq_act_order_refused_over_two_ranks(tmp_path):

@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_parity
-from surge import LLM, SamplingParams
 from test_quant import ACT_ATOL, FP8_MAX, _quantize_input, quantizing_inputs
 from tiny_fam5 import tiny_config as gpt_oss_config
 from tiny_models import make_tiny_model, tiny_config
@@ -85,21 +84,7 @@ def test_gpt_oss_mxfp4_expert_parallel_as_one_rank(mxfp4):
     """Two ranks holding four whole experts each (the tiny intermediate size, 32, is one MXFP4 block: it cannot be
     split): greedy tokens identical to one rank's."""
     path, _ = mxfp4
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 30)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-    outs = []
-    for tp in (1, 2):
-        llm = LLM(str(path), tensor_parallel_size=tp, enable_expert_parallel=tp > 1, block_size=4, max_model_len=128,
-                  device="cpu", kv_cache_memory=1 << 22)
-        try:
-            outs.append(llm.generate(prompts, params, use_tqdm=False))
-        finally:
-            llm.engine.shutdown()
-    for o, r in zip(*outs):
-        assert o.outputs[0].token_ids == r.outputs[0].token_ids
-        for d, e in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
-            assert all(d[t].logprob == pytest.approx(e[t].logprob, abs=1e-4) for t in d)
+    hf_parity.check_two_ranks_decode_as_one(str(path), expert_parallel=True)
 
 
 def test_moe_preset_with_random_fp8_experts():
