@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import hf_parity
 from hf_parity import check_all
-from surge import LLM, SamplingParams
 from surge.model.loader.base import build_model
 from surge.model.presets import preset_model_config
 from tiny_fam5 import make_tiny_model
@@ -46,20 +46,4 @@ def test_gpt_oss_tp2_matches_one_rank(tiny, expert_parallel):
     """Two ranks (gloo, worker processes): each rank's sinks, its slice of every expert (the down bias added by one
     rank only) or its whole experts: greedy tokens identical to one rank's, logprobs close."""
     _, path, _ = tiny
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 30)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-    outs = []
-    for tp in (1, 2):
-        llm = LLM(str(path), tensor_parallel_size=tp, enable_expert_parallel=expert_parallel and tp > 1,
-                  block_size=4, max_model_len=128, device="cpu", kv_cache_memory=1 << 22)
-        try:
-            outs.append(llm.generate(prompts, params, use_tqdm=False))
-        finally:
-            llm.engine.shutdown()
-    ref, got = outs
-    for o, r in zip(got, ref):
-        assert o.outputs[0].token_ids == r.outputs[0].token_ids
-        for d, e in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
-            assert list(d) == list(e)
-            assert all(d[t].logprob == pytest.approx(e[t].logprob, abs=1e-4) for t in d)
+    hf_parity.check_two_ranks_decode_as_one(str(path), expert_parallel=expert_parallel)
