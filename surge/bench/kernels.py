@@ -585,8 +585,7 @@ def check_gemv() -> None:
     the fp8 decode GEMV with the launch policy's choice and the best of a small sweep (GB/s of the weight)."""
     import itertools
 
-    from surge.kernels.gemv import GemvLaunch, fp8_gemv, int_gemv, launch_policy
-    from surge.kernels.int4_gemm import int_gemm
+    from surge.kernels.gemv import GemvLaunch, fp8_gemv, launch_policy
     from surge.kernels.fp8_quant import scaled_fp8_quant_per_token
 
     print("# decode GEMV, M=1 (weight bytes / time)")
@@ -609,16 +608,6 @@ def check_gemv() -> None:
         best = min((bench(lambda lc=GemvLaunch(bn, bk, nw): fp8_gemv(x, w8, scale, launch=lc)), bn, bk, nw)
                    for bn, bk, nw in itertools.product((8, 16), (512, 1024), (4, 8)))
         report(f"gemv {name} fp8 gemv best {best[1]}x{best[2]} w{best[3]}", best[0], nbytes=n * k)
-        packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
-        gscale = torch.rand(n, k // 128, device="cuda", dtype=DTYPE) * 0.01
-        report(f"gemv {name} int4 gemv", bench(lambda: int_gemv(x, packed, gscale, bits=4, group_size=128)),
-               nbytes=n * k // 2 + gscale.numel() * 2)
-        report(f"gemv {name} int4 int_gemm", bench(lambda: int_gemm(x, packed, gscale, bits=4, group_size=128)),
-               nbytes=n * k // 2 + gscale.numel() * 2)
-        best = min((bench(lambda lc=GemvLaunch(bn, bk, nw): int_gemv(x, packed, gscale, bits=4, group_size=128,
-                                                                     launch=lc)), bn, bk, nw)
-                   for bn, bk, nw in itertools.product((8, 16), (512, 1024), (4, 8)))
-        report(f"gemv {name} int4 gemv best {best[1]}x{best[2]} w{best[3]}", best[0], nbytes=n * k // 2)
 
 
 def main() -> None:

@@ -1,6 +1,5 @@
-"""Decode's GEMMs of quantized weights: y [M, N] = x [M, K] @ dequantized(W).T for a few rows (M <= MAX_ROWS),
-activations left in their dtype: fp8 weights (weight-only, as fp8 Marlin runs where no fp8 MMA is used), and int4 /
-int8 weights in the canonical packed layout (surge/kernels/int4_gemm.py's, whose tensor-core tiles serve more rows). At batch 1 a linear layer is a
+"""Decode's GEMM of fp8 weights: y [M, N] = x [M, K] @ dequantized(W).T for a few rows (M <= MAX_ROWS), activations
+left in their dtype (weight-only, as fp8 Marlin runs where no fp8 MMA is used). At batch 1 a linear layer is a
 matrix-vector product that only streams its weight: torch._scaled_mm pads M to a tensor-core tile and needs the
 activations quantized first (one more launch per layer); this kernel reads each weight byte once and multiplies in
 registers.
@@ -12,8 +11,8 @@ Launch policy (launch_policy): one program per BLOCK_N = 8 output rows (many pro
 enough bytes are in flight to cover the memory latency), the whole K streamed in steps of BLOCK_K = 1024 / M_PAD
 columns, at least 128. Measured on the H200 at M = 1 over Qwen3-8B's layers (bench kernels --only gemv): 8 x 512
 read 1.4-1.8 TB/s, 8 x 1024 2.0-2.6 TB/s (16 x 1024 for q/k/v 2.3), bf16 cuBLAS 3.2-4.0 TB/s of its twice larger
-weight: the fp8 GEMV takes 77-79% of bf16's time. The packed int GEMV reads ~0.4 TB/s (its unpacking, not memory,
-bounds it): a kernel to rework. Each step loads a
+weight: the fp8 GEMV takes 77-79% of bf16's time. (A packed-int4 GEMV of the same shape read ~0.4 TB/s, no better
+than int4_gemm.int_gemm's split-K tiles at 0.38-0.53 TB/s, and was dropped: unpacking, not memory, bounds both.) Each step loads a
 [BLOCK_N, BLOCK_K] fp8 tile (BLOCK_K bytes contiguous per row), its block scales where they apply, and the
 [M_PAD, BLOCK_K] activations, and reduces their product over K in float32.
 """
@@ -102,74 +101,3 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         num_warps=launch.num_warps)
     return out
 
-
-@triton.jit
-def _int_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-                     stride_sn, stride_zn, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
-                     HAS_ZERO: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
-    """out[m, n] = sum_k x[m, k] * (u[n, k] - z[n, k // GROUP]) * s[n, k // GROUP] (+ bias[n])."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // PER_WORD
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    cols64 = cols.to(tl.int64)
-    rows = tl.arange(0, M_PAD)
-    row_ok = rows < M
-    ks = tl.arange(0, BLOCK_K)
-    word_ids = tl.arange(0, WORDS)
-    shifts = tl.arange(0, PER_WORD) * BITS
-    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < K
-        word = k0 // PER_WORD + word_ids
-        words = tl.load(w_ptr + cols64[:, None] * stride_wn + word[None, :],
-                        mask=col_ok[:, None] & (word < K // PER_WORD)[None, :], other=0)
-        u = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (BLOCK_N, BLOCK_K))
-        group = k // GROUP
-        s = tl.load(scale_ptr + cols64[:, None] * stride_sn + group[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        if HAS_ZERO:
-            z = tl.load(zero_ptr + cols64[:, None] * stride_zn + group[None, :],
-                        mask=col_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
-        else:
-            z = 1 << (BITS - 1)
-        w = (u - z).to(tl.float32) * s
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
-
-
-def int_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, *, bits: int,
-             group_size: int, zero_point: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-             launch: GemvLaunch | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), the canonical packed weight (int4_gemm.int_gemm's arguments, without act-order)
-    -> [M, N] in x's dtype. The weight is dequantized in float32 (the tensor-core GEMM rounds it to x's dtype first:
-    the two agree to that rounding)."""
-    m, k = x.shape
-    n = weight_packed.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"int_gemv takes up to {MAX_ROWS} rows, got {m}")
-    if bits not in (4, 8) or weight_packed.dtype != torch.int32 or tuple(weight_packed.shape) != (n, k * bits // 32):
-        raise ValueError(f"weight_packed {weight_packed.dtype} {tuple(weight_packed.shape)} does not hold [N, K={k}] "
-                         f"{bits}-bit values packed along K in int32")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    launch = launch or launch_policy(m, n, k)
-    weight_scale = weight_scale.contiguous()
-    zero = zero_point.contiguous() if zero_point is not None else weight_scale
-    _int_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
-        x, weight_packed.contiguous(), weight_scale, zero, bias if bias is not None else weight_scale, out, m, n, k,
-        x.stride(0), weight_packed.stride(0), weight_scale.stride(0), zero.stride(0), out.stride(0), BITS=bits,
-        GROUP=min(group_size, k), HAS_ZERO=zero_point is not None, M_PAD=max(1, triton.next_power_of_2(m)),
-        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, HAS_BIAS=bias is not None,
-        num_warps=launch.num_warps)
-    return out

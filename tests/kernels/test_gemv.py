@@ -64,24 +64,3 @@ def test_the_fp8_method_switches_at_the_kernels_row_limit():
     from surge.model.quant.fp8 import GEMV_ROWS
     assert GEMV_ROWS == MAX_ROWS
 
-
-@pytest.mark.parametrize("bits, group, zero", [(4, 32, False), (4, 128, True), (8, 64, False), (4, None, True)])
-@pytest.mark.parametrize("m, n, k", [(1, 8, 256), (2, 17, 384), (MAX_ROWS, 40, 640)])
-def test_int_gemv_matches_the_reference(bits, group, zero, m, n, k, device):
-    """Packed int4 / int8 weights, group or channel scales, with and without zero points, K a multiple of the
-    group but not of the K step."""
-    from surge.kernels import quant_reference as ref
-    from surge.kernels.gemv import int_gemv
-
-    g = torch.Generator().manual_seed(bits * 100 + m)
-    group_size = group or k
-    u = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.int32)
-    packed = ref.pack_int32(u, bits)
-    scale = torch.rand(n, k // group_size, generator=g) * 0.02 + 0.001
-    zp = torch.randint(0, 1 << bits, (n, k // group_size), generator=g).to(torch.uint8) if zero else None
-    x = torch.randn(m, k, generator=g)
-    bias = torch.randn(n, generator=g)
-    got = int_gemv(x.to(device), packed.to(device), scale.to(device), bits=bits, group_size=group_size,
-                   zero_point=None if zp is None else zp.to(device), bias=bias.to(device))
-    expected = ref.int_gemm(x, packed, scale, bits, group_size, zp, bias=bias)
-    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)

@@ -5,8 +5,7 @@ into as they load:
   each stored as q + 2^(bits - 1) (unsigned);
 - `weight_scale` [N, K / group] in the activations' dtype ([N, 1] per channel);
 - `weight_zero_point` int32 [N * bits / 32, K / group], packed along N the same way (asymmetric schemes only).
-w = (q - zero) * scale. CUDA: up to 4 rows surge/kernels/gemv.py's int GEMV, more the int4/int8 GEMM
-(surge/kernels/int4_gemm.py), both dequantizing in registers;
+w = (q - zero) * scale. CUDA: the int4/int8 GEMM (surge/kernels/int4_gemm.py), dequantizing in registers;
 elsewhere the weight is dequantized once into a cached copy and the ordinary GEMM runs.
 """
 from __future__ import annotations
@@ -19,7 +18,6 @@ import torch
 
 from surge.kernels.quant_reference import dequantize_packed, pack_int32
 from surge.model.quant.base import LinearMethod, Sharding, add_param
-from surge.model.quant.fp8 import GEMV_ROWS
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group: int | None, symmetric: bool
@@ -117,12 +115,6 @@ class WNA16LinearMethod(LinearMethod):
         if x.is_cuda:
             group = self.group_size or layer.in_features
             perm = self._input_perm(layer)
-            x2 = x.reshape(-1, x.shape[-1])
-            if x2.shape[0] <= GEMV_ROWS and perm is None:  # decode: stream the packed weight, no tile padding
-                from surge.kernels.gemv import int_gemv
-                out = int_gemv(x2, packed, scale, bits=self.bits, group_size=group,
-                               zero_point=self._zero_point(layer), bias=bias)
-                return out.view(*x.shape[:-1], out.shape[-1])
             from surge.kernels.int4_gemm import int_gemm
             return int_gemm(x, packed, scale, bits=self.bits, group_size=group, zero_point=self._zero_point(layer),
                             input_perm=perm, bias=bias)
