@@ -114,3 +114,22 @@ def test_image_on_a_text_only_model_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ValueError, match="takes no image input"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(random_image(0))}}]}],
                  GREEDY)
+
+
+def test_preempted_image_requests_recompute_to_hf(tiny):
+    """A cache too small for the batch: requests are preempted mid-prefill or mid-decode and recompute, images
+    re-encoded; the KV cache starts as NaN, so no step may read a slot no request wrote."""
+    llm = LLM(tiny[0], dtype="float32", block_size=4, num_gpu_blocks_override=20, max_num_batched_tokens=8,
+              max_model_len=64, limit_mm_per_prompt={"image": 1})
+    for cache in llm.engine.executor.runner.kv_caches:
+        cache.fill_(float("nan"))
+    images = [random_image(20 + i, (16 + 8 * i, 16)) for i in range(3)]
+    prompts = [{"prompt": f"q{i} <image> what is it", "multi_modal_data": {"image": image}}
+               for i, image in enumerate(images)]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert not llm.engine.executor.runner.encoder_cache.embeds
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_generate(tiny, prompt["prompt"], [prompt["multi_modal_data"]["image"]])
+    with pytest.raises(ValueError, match=r"2 images, over limit_mm_per_prompt=\{'image': 1\}"):
+        llm.generate({"prompt": "<image><image>", "multi_modal_data": {"image": images[:2]}}, GREEDY)
