@@ -60,6 +60,8 @@ class ModelConfig:
     # A classifier read off the LM head (a decoder reranker): the token ids of classifier_from_token, resolved by
     # the tokenizer (Qwen3-Reranker: [no, yes], scored as the yes logit minus the no logit).
     classifier_token_ids: tuple[int, ...] = ()
+    # A multimodal model's most items per prompt, by modality ({"image": 4}); a modality absent: the default.
+    limit_mm_per_prompt: dict = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.text_config is None:
@@ -68,7 +70,7 @@ class ModelConfig:
             raise ValueError(f"runner={self.runner!r} is not supported; choose one of {', '.join(RUNNERS)}")
         if (self.runner == "pooling") != (self.pooler_config is not None):
             raise ValueError(f"runner={self.runner!r}: a pooler_config goes with the pooling runner, and only there")
-        if self.runner == "generate" and not self.architecture.endswith("ForCausalLM"):
+        if self.runner == "generate" and not self.architecture.endswith(GENERATIVE_SUFFIXES):
             raise ValueError(f"model={self.model!r}: {self.architecture} has no LM head to generate with; serve it "
                              "with runner='pooling' (--runner pooling)")
 
@@ -161,7 +163,7 @@ class ModelConfig:
         elif not (isinstance(max_model_len, int) and 1 <= max_model_len):
             raise ValueError(f"max_model_len={max_model_len!r} must be a positive integer")
         if runner == "auto":
-            runner = "generate" if supported[0].endswith("ForCausalLM") else "pooling"
+            runner = "generate" if supported[0].endswith(GENERATIVE_SUFFIXES) else "pooling"
         if runner == "pooling":
             pooler_config = pooler_config or PoolerConfig()
         return ModelConfig(model=model, hf_config=cfg, dtype=resolve_dtype(dtype, device),
@@ -538,6 +540,8 @@ def _parse_json_config(cls: type, name: str, value, required: tuple[str, ...], e
     return cls(**value)
 
 
+# Architectures with an LM head: a decoder, or a vision-language model around one.
+GENERATIVE_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration")
 RUNNERS = ("generate", "pooling")  # EngineArgs also takes "auto": pooling for architectures without an LM head
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 

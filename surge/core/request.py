@@ -9,6 +9,7 @@ import time
 
 from surge.core.kv_cache.hashing import hash_block_tokens
 from surge.lora_request import LoRARequest
+from surge.multimodal import MultiModalFeature, block_keys
 from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams
 
@@ -48,9 +49,10 @@ class TokenSequence:
 class Request(TokenSequence):
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
                  arrival_time: float | None = None, pooling_params: PoolingParams | None = None,
-                 lora_request: LoRARequest | None = None) -> None:
+                 lora_request: LoRARequest | None = None, mm_features: list[MultiModalFeature] | None = None
+                 ) -> None:
         """pooling_params: a pooling request (its params have max_tokens=0: the prompt only); lora_request: the
-        adapter it runs with (None: the base model)."""
+        adapter it runs with (None: the base model); mm_features: its images (placeholder spans in the prompt)."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -59,6 +61,8 @@ class Request(TokenSequence):
         self.lora_request = lora_request
         # The adapter keys every block's hash: the same tokens under another adapter have other KV.
         self._hash_keys = () if lora_request is None else (lora_request.cache_key,)
+        # Images key the blocks their placeholders touch (and, by the chain, every later one).
+        self.mm_features = mm_features or []
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV a launched step computes (advanced when it is scheduled)
@@ -98,4 +102,7 @@ class Request(TokenSequence):
         bs = self.block_size
         for i in range(len(self.block_hashes), len(self.token_ids) // bs):
             parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(hash_block_tokens(parent, self.token_ids[i * bs:(i + 1) * bs], self._hash_keys))
+            keys = self._hash_keys
+            if self.mm_features:
+                keys += block_keys(self.mm_features, i * bs, (i + 1) * bs)
+            self.block_hashes.append(hash_block_tokens(parent, self.token_ids[i * bs:(i + 1) * bs], keys))

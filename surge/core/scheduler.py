@@ -230,7 +230,7 @@ class Scheduler:
         known = self._runner_tokens.get(rid)
         if known is None:
             out.new_requests.append(NewRequest(rid, req.prompt_token_ids, req.params, req.pooling_params,
-                                               req.lora_request))
+                                               req.lora_request, req.mm_features))
             known = req.num_prompt_tokens
         self._runner_tokens[rid] = req.num_tokens
         starts, block_ids = self.kv.take_block_changes(rid)

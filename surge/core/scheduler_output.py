@@ -11,6 +11,7 @@ import msgspec
 # garbage collector need not track them (fewer collections on the hot path).
 
 from surge.lora_request import LoRARequest
+from surge.multimodal import MultiModalFeature
 from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams
 
@@ -22,6 +23,7 @@ class NewRequest(msgspec.Struct, array_like=True, gc=False):
     params: SamplingParams
     pooling_params: PoolingParams | None = None  # a pooling request: the runner pools its prompt's hidden states
     lora_request: LoRARequest | None = None  # the adapter its tokens run with (None: the base model)
+    mm_features: list[MultiModalFeature] = []  # its images: the runner encodes each before prefilling its span
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -83,6 +83,8 @@ class EngineArgs:
     # Keys merged over config.json, as JSON text or a dict (e.g. a decoder reranker's
     # {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], ...}).
     hf_overrides: str | dict | None = None
+    # Most items of each modality in one prompt, as JSON text or a dict ({"image": 4}); a multimodal model only.
+    limit_mm_per_prompt: str | dict | None = None
     # Online quantization of an unquantized checkpoint ("fp8": per-channel weights, per-token activations); a
     # quantized checkpoint brings its own (quantization_config), which this may only name again.
     quantization: str | None = None
@@ -147,6 +149,8 @@ class EngineArgs:
         g.add_argument("--pooler-config", default=d.pooler_config, help="the pooling runner's pooler as JSON, e.g. "
                        "'{\"pooling_type\": \"MEAN\", \"normalize\": false}' (over the checkpoint's "
                        "sentence-transformers files)")
+        g.add_argument("--limit-mm-per-prompt", default=d.limit_mm_per_prompt, help="most images in one prompt "
+                       "as JSON, e.g. '{\"image\": 4}' (default 16)")
         g.add_argument("--quantization", "-q", default=d.quantization,
                        help="fp8: quantize an unquantized checkpoint's linear layers as they load (per-channel fp8 "
                        "weights, per-token dynamic fp8 activations); quantized checkpoints need no flag")
@@ -330,6 +334,12 @@ class EngineArgs:
                              f"runner={model_config.runner!r} (pass runner='pooling', --runner pooling)")
         if self.load_format != AUTO_LOAD_FORMAT:
             model_config = dataclasses.replace(model_config, load_format=self.load_format)
+        limits = _json_object(self.limit_mm_per_prompt, "limit_mm_per_prompt")
+        for modality, limit in limits.items():
+            if modality != "image" or not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"limit_mm_per_prompt={limits!r}: only 'image' with a count >= 0 is supported")
+        if limits:
+            model_config = dataclasses.replace(model_config, limit_mm_per_prompt=limits)
         return model_config
 
     def _user_pooler_config(self) -> PoolerConfig | None:

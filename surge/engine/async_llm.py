@@ -112,7 +112,7 @@ class AsyncLLM:
             self.adapters.check(lora_request)
         self._start_output_handler()
         arrival = time.monotonic()
-        text, token_ids = self.input_processor.tokenize(prompt)
+        text, token_ids, mm_features = self.input_processor.process(prompt)
         pooling = pooling_params is not None
         children = [(request_id, PROMPT_ONLY)] if pooling else self.input_processor.fan_out(request_id, params)
         queue: asyncio.Queue = asyncio.Queue()
@@ -120,7 +120,8 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, text, token_ids, children, output_kind, arrival, pooling)
         try:
             for child_id, child_params in children:
-                await self.core.send(AddRequest(child_id, token_ids, child_params, pooling_params, lora_request))
+                await self.core.send(AddRequest(child_id, token_ids, child_params, pooling_params, lora_request,
+                                                mm_features))
         except BaseException:
             await self.abort(request_id)
             raise

@@ -97,7 +97,8 @@ class EngineCoreProc:
         if isinstance(msg, AddRequest):
             try:
                 self.engine.add_request(Request(msg.request_id, msg.prompt_token_ids, msg.params, self.block_size,
-                                                pooling_params=msg.pooling_params, lora_request=msg.lora_request))
+                                                pooling_params=msg.pooling_params, lora_request=msg.lora_request,
+                                                mm_features=msg.mm_features))
             except ValueError as e:
                 self._failures.append(RequestFailure(msg.request_id, str(e), invalid_request=True))
         elif isinstance(msg, AbortRequests):

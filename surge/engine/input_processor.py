@@ -1,15 +1,34 @@
 """InputProcessor: what both front doors (surge.LLM and AsyncLLM) do to a request before the engine core sees it:
-tokenize or render the prompt, and fan n > 1 out into independent seeded child requests.
+tokenize or render the prompt (a multimodal one through the model's own HF processor), and fan n > 1 out into
+independent seeded child requests.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from surge.config import EngineConfig
+from surge.multimodal import MultiModalFeature
+from surge.multimodal.media import image_from_url
 from surge.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
 Message = dict
+
+DEFAULT_IMAGES_PER_PROMPT = 16  # limit_mm_per_prompt's default for images
+IMAGE_PARTS = ("image_url", "image")  # chat content parts that carry an image
+
+
+def _part_image(part: dict):
+    """The PIL image of one chat content part: {"type": "image_url", "image_url": {"url": "data:..."}} (or the URL
+    as a string), or {"type": "image", "image": PIL image}."""
+    from PIL import Image
+    if part["type"] == "image":
+        image = part.get("image")
+        if not isinstance(image, Image.Image):
+            raise ValueError(f"an 'image' content part needs a PIL image as 'image', got {type(image).__name__}")
+        return image
+    url = part.get("image_url")
+    return image_from_url(url.get("url") if isinstance(url, dict) else url)
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -24,6 +43,94 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self._hf_processor = None  # the model's AutoProcessor, loaded with the first image
+
+    def process(self, prompt: Prompt) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """tokenize(), or for {"prompt": ..., "multi_modal_data": {"image": PIL image or list}} the model's processor:
+        (text, token ids with each image's placeholders expanded, one feature per image)."""
+        if not (isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None):
+            features = prompt.get("mm_features", []) if isinstance(prompt, dict) else []  # processed already
+            return (*self.tokenize(prompt), features)
+        if not isinstance(prompt.get("prompt"), str):
+            raise ValueError("a prompt with multi_modal_data needs its text as 'prompt' (a string with the model's "
+                             "image placeholder where each image goes)")
+        text = prompt["prompt"]
+        token_ids, features = self.process_images(text, prompt["multi_modal_data"])
+        return text, token_ids, features
+
+    def process_images(self, text: str, mm_data: dict, add_special_tokens: bool = True
+                       ) -> tuple[list[int], list[MultiModalFeature]]:
+        from PIL import Image
+        model_class = self._multimodal_model_class()
+        if not isinstance(mm_data, dict) or set(mm_data) - {"image"}:
+            raise ValueError(f"multi_modal_data must be a dict with the key 'image', got "
+                             f"{sorted(mm_data) if isinstance(mm_data, dict) else type(mm_data).__name__}")
+        images = mm_data.get("image")
+        images = [] if images is None else images if isinstance(images, (list, tuple)) else [images]
+        for i, image in enumerate(images):
+            if not isinstance(image, Image.Image):
+                raise ValueError(f"multi_modal_data['image'][{i}] must be a PIL.Image.Image, got "
+                                 f"{type(image).__name__}")
+        limit = self.config.model_config.limit_mm_per_prompt.get("image", DEFAULT_IMAGES_PER_PROMPT)
+        if len(images) > limit:
+            raise ValueError(f"the prompt has {len(images)} images, over limit_mm_per_prompt={{'image': {limit}}}")
+        images = [image.convert("RGB") for image in images]
+        return model_class.process_prompt(self.hf_processor(), text, images, add_special_tokens)
+
+    def hf_processor(self):
+        if self._hf_processor is None:
+            from transformers import AutoProcessor
+            model = self.config.model_config.model
+            try:
+                self._hf_processor = AutoProcessor.from_pretrained(str(model))
+            except Exception as e:  # as load_tokenizer: many types; the user needs the directory and the cause
+                raise ValueError(f"model={str(model)!r}: cannot load its processor ({type(e).__name__}: {e})"
+                                 ) from None
+        return self._hf_processor
+
+    def image_placeholder(self) -> str | None:
+        """The text that stands for one image in a prompt; None for a model that takes no images."""
+        try:
+            cls = self._multimodal_model_class()
+        except ValueError:
+            return None
+        return cls.image_placeholder(self.hf_processor())
+
+    def _multimodal_model_class(self):
+        from surge.model.models.registry import get_model_class
+        mc = self.config.model_config
+        cls = get_model_class(mc.architecture, mc.runner)
+        if not hasattr(cls, "process_prompt"):
+            raise ValueError(f"model={mc.model!r} ({mc.architecture}) takes no image input: multi_modal_data and "
+                             "image content parts need a multimodal model (e.g. LlavaForConditionalGeneration)")
+        return cls
+
+    def render_chat_prompt(self, conversation: list[Message], add_generation_prompt: bool = True,
+                           chat_template: str | None = None, **template_kwargs) -> dict:
+        """A conversation as a prompt dict: {"prompt_token_ids"} for text only; with image parts (`image_url` with
+        a data: URL, or `image` with a PIL image), the rendered text with the model's placeholder for each image and
+        its `multi_modal_data`, processed here."""
+        images, flat = [], []
+        for message in conversation:
+            content = message.get("content")
+            if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS
+                                                 for p in content):
+                placeholder = self._multimodal_model_class().image_placeholder(self.hf_processor())
+                texts = []
+                for part in content:
+                    if part.get("type") in IMAGE_PARTS:
+                        images.append(_part_image(part))
+                        texts.append(placeholder)
+                    else:
+                        texts.append(part.get("text", ""))
+                message = {**message, "content": "\n".join(texts)}
+            flat.append(message)
+        if not images:
+            return {"prompt_token_ids": self.render_chat(conversation, add_generation_prompt, chat_template,
+                                                         **template_kwargs)}
+        text = self.render_chat_text(flat, add_generation_prompt, chat_template, **template_kwargs)
+        token_ids, features = self.process_images(text, {"image": images}, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": token_ids, "mm_features": features}
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """A string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...} -> (text, token ids)."""

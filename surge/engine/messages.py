@@ -9,6 +9,7 @@ import msgspec
 
 from surge.engine.core import EngineCoreOutput, SchedulerStats
 from surge.lora_request import LoRARequest
+from surge.multimodal import MultiModalFeature
 from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams
 
@@ -19,6 +20,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams  # one sample: n > 1 is fanned out by the front end
     pooling_params: PoolingParams | None = None  # a pooling request (params: the prompt only)
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    mm_features: list[MultiModalFeature] = []  # its images, processed by the front end
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

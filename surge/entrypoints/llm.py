@@ -47,8 +47,10 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, {"prompt": ...} / {"prompt_token_ids": ...}, or a list of these.
-        lora_request: the adapter of every prompt, or one per prompt (None: the base model)."""
+        """prompts: a string, a list of token ids, {"prompt": ...} / {"prompt_token_ids": ...}, or a list of these;
+        a multimodal model takes {"prompt": ..., "multi_modal_data": {"image": PIL image or list}}, the prompt with
+        the model's image placeholder where each image goes. lora_request: the adapter of every prompt, or one per
+        prompt (None: the base model)."""
         check_generation(self.config.model_config, "LLM.generate")
         prompts = _prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompts))
@@ -68,12 +70,14 @@ class LLM:
              use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              add_generation_prompt: bool = True, chat_template: str | None = None,
              **template_kwargs) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations. Content may be
+        a list of parts: text, and for a multimodal model images ({"type": "image_url", "image_url": {"url":
+        "data:image/png;base64,..."}} or {"type": "image", "image": PIL image})."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]
-        prompts = [self.render_chat(conv, add_generation_prompt, chat_template, **template_kwargs)
-                   for conv in messages]
-        return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm, lora_request)
+        prompts = [self.input_processor.render_chat_prompt(conv, add_generation_prompt, chat_template,
+                                                           **template_kwargs) for conv in messages]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     # ---- pooling (runner="pooling") ----
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, *,
@@ -194,14 +198,14 @@ class LLM:
     def _add_request(self, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None = None) -> str:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        text, token_ids = self.input_processor.tokenize(prompt)
+        text, token_ids, mm_features = self.input_processor.process(prompt)
         request_id = str(next(self._ids))
         children = self.input_processor.fan_out(request_id, params)
         added = []
         try:
             for child_id, child_params in children:
-                self.engine.add_request(Request(child_id, token_ids, child_params,
-                                                self.config.cache_config.block_size, lora_request=lora))
+                self.engine.add_request(Request(child_id, token_ids, child_params, self.config.cache_config.block_size,
+                                                lora_request=lora, mm_features=mm_features))
                 added.append(child_id)
         except Exception:
             self.engine.abort_requests(added)

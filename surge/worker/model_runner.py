@@ -34,6 +34,7 @@ from surge.model.loader.base import build_model, load_model
 from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from surge.worker.request_state import CachedRequestState, RequestStates
 from surge.worker.draft_model import DraftModel
+from surge.worker.encoder_cache import EncoderCache
 from surge.worker.ngram_lookup import DeviceNgram, Verdicts
 from surge.worker.pooling import finish_pooled, gather_pooled
 from surge.worker.spec_verify import VerifiedDrafts, VerifyResult, verify
@@ -144,6 +145,7 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
         self.requests = RequestStates(len(self.kv_cache_config.groups), self.device)
+        self.encoder_cache = EncoderCache(self.device)  # image embeddings (a multimodal model's) until prefilled
         # Structured output, in-process only: called with the step message once its forward is launched, returns
         # the masks (filled while the device runs it); None: they come in the message.
         self.grammar_bitmask_source: Callable[[SchedulerOutput], GrammarBitmask | None] | None = None
@@ -261,6 +263,8 @@ class ModelRunner:
         """Launch the step on the device and return without waiting for it. Its sampled tokens stay on the device
         too, where the next step reads any token it needs before the host has it."""
         states = self.requests.apply(out)
+        if self.encoder_cache.users and out.finished_ids:
+            self.encoder_cache.drop_requests(out.finished_ids)
         if self.ngram is not None:
             self.ngram.remove(out.finished_ids)
         pending = PendingOutput()
@@ -319,14 +323,42 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Final hidden states of every scheduled token: a captured graph for the decode batches and the small mixed
         steps it covers."""
+        n = batch.num_tokens
+        inputs_embeds = self._merged_image_embeds(batch)
+        if inputs_embeds is not None:  # a step that prefills image placeholders: eager
+            return self.model(self.inputs.input_ids[:n], self.inputs.positions[:n], batch.meta, inputs_embeds)
         graphs = self.graph_runner
         if graphs is not None:
             if batch.meta[0].decode_only and graphs.padded_size(batch.num_reqs):
                 return graphs.replay(batch.num_reqs)
             if not batch.meta[0].decode_only and graphs.mixed_size(batch.num_tokens, batch.num_reqs):
                 return graphs.replay_mixed(batch.num_tokens, batch.num_reqs)
-        n = batch.num_tokens
         return self.model(self.inputs.input_ids[:n], self.inputs.positions[:n], batch.meta)
+
+    def _merged_image_embeds(self, batch: StepBatch) -> torch.Tensor | None:
+        """The step's input embeddings with image rows at the placeholder positions it computes (each image encoded
+        once, kept in the encoder cache until its request has prefilled it); None for a step with no image rows."""
+        spans = []  # (step row, request id, feature, first and end row of its embeddings)
+        qsl = None
+        for i, (s, state) in enumerate(zip(batch.scheduled, batch.states)):
+            if not state.mm_features:
+                continue
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            for f in state.mm_features:
+                if f.offset < end and f.end > start:
+                    qsl = batch.meta[0].query_start_loc if qsl is None else qsl
+                    lo, hi = max(start, f.offset), min(end, f.end)
+                    spans.append((qsl[i] + lo - start, state.request_id, f, lo - f.offset, hi - f.offset))
+        if not spans:
+            return None
+        cache = self.encoder_cache
+        cache.encode(self.model, [(rid, f) for _, rid, f, _, _ in spans])
+        embeds = self.model.embed_input_ids(self.inputs.input_ids[:batch.num_tokens])
+        for row, rid, f, a, b in spans:
+            embeds[row:row + b - a] = cache.embeds[f.identifier][a:b]
+            if b == f.length:
+                cache.release(f.identifier, rid)
+        return embeds
 
     def pool(self, batch: StepBatch, hidden: torch.Tensor, pending: PendingOutput) -> None:
         """Pooling requests: this step's rows into their pooled state; the outputs of those it completes."""

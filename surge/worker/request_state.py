@@ -31,6 +31,7 @@ class CachedRequestState(TokenSequence):
         self.params = new.params
         self.pooling_params = new.pooling_params
         self.lora_request = new.lora_request
+        self.mm_features = new.mm_features
         self.pooled: torch.Tensor | None = None  # a pooling request's state across prefill chunks (worker/pooling.py)
         self.token_ids = list(new.prompt_token_ids)
         self.block_ids: list[list[int]] = [[] for _ in range(num_groups)]

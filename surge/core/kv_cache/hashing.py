@@ -13,6 +13,6 @@ _ROOT = b"surge-prefix-v1"
 def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
     h = hashlib.sha256(parent_hash if parent_hash is not None else _ROOT)
     h.update(array("q", token_ids).tobytes())
-    for key in extra_keys:  # the LoRA adapter (Request._hash_keys); media hashes later
+    for key in extra_keys:  # the LoRA adapter, the images of the block
         h.update(repr(key).encode())
     return h.digest()

@@ -17,6 +17,7 @@ from surge.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, Cha
 from surge.entrypoints.openai.serving import (OpenAIServing, encode, engine_error, now, random_id, shown_logprobs,
                                               sse, token_logprobs)
 from surge.entrypoints.openai.tools import ToolRequest, parse_tools
+from surge.multimodal import MultiModalFeature
 from surge.outputs import CompletionOutput
 from surge.sampling_params import SamplingParams
 
@@ -26,9 +27,16 @@ class ChatHandler:
         self.serving = serving
 
     def render(self, req: ChatCompletionRequest, tools: ToolRequest | None = None) -> list[int]:
+        return self.render_prompt(req, tools)[0]
+
+    def render_prompt(self, req: ChatCompletionRequest, tools: ToolRequest | None = None
+                      ) -> tuple[list[int], list[MultiModalFeature]]:
+        """Token ids, and the images of a multimodal model's conversation."""
         s = self.serving
-        return s.render(s.chat_messages(req.messages), req.add_generation_prompt, req.chat_template_kwargs,
-                        req.chat_template, tools.template_tools if tools is not None else None)
+        images = [] if s.engine.input_processor.image_placeholder() is not None else None
+        return s.render_images(s.chat_messages(req.messages, images=images), images or [], req.add_generation_prompt,
+                               req.chat_template_kwargs, req.chat_template,
+                               tools.template_tools if tools is not None else None)
 
     def parser(self, tools: ToolRequest | None) -> ChoiceOutputParser:
         options = self.serving.options
@@ -51,7 +59,7 @@ class ChatHandler:
             s.limits.check_logprobs(logprobs, "top_logprobs")
         elif req.top_logprobs is not None:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-        token_ids = self.render(req, tools)
+        token_ids, mm_features = self.render_prompt(req, tools)
         if req.max_completion_tokens is not None:  # the newer name wins, and 0 is as invalid as max_tokens=0
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -62,12 +70,14 @@ class ChatHandler:
         request_id = random_id("chatcmpl-")
         if req.stream:
             try:
-                outputs = await s.start(token_ids, params, request_id, lora_request=s.lora_request(model))
+                outputs = await s.start(token_ids, params, request_id, lora_request=s.lora_request(model),
+                                        mm_features=mm_features)
             except Exception as e:
                 raise engine_error(e, grammar_param) from None
             return StreamingResponse(self._stream(req, model, request_id, token_ids, params, outputs, tools,
                                                   grammar_param), media_type="text/event-stream")
-        [out] = await s.run_to_end(http, [(token_ids, params)], request_id, grammar_param, s.lora_request(model))
+        [out] = await s.run_to_end(http, [(token_ids, params)], request_id, grammar_param, s.lora_request(model),
+                                   mm_features)
         choices = []
         for c in out.outputs:
             parser = self.parser(tools)

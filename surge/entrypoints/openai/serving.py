@@ -26,6 +26,7 @@ from surge.entrypoints.openai.options import ServerOptions
 from surge.entrypoints.openai.protocol import ChatMessage, SamplingFields, TokenLogprob, TopLogprob
 from surge.entrypoints.openai.tools import template_tool_calls
 from surge.lora_request import LoRARequest
+from surge.multimodal import MultiModalFeature
 from surge.outputs import CompletionOutput, Logprob, RequestOutput
 from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams, StructuredOutputsParams
@@ -204,12 +205,16 @@ class OpenAIServing:
                               param=param.group(1) if param else None) from None
 
     # ---- prompts ----
-    def chat_messages(self, messages: list[ChatMessage], param: str = "messages") -> list[dict]:
-        """Chat-shaped messages as the chat template takes them: {"role", "content": text, tool calls}."""
+    def chat_messages(self, messages: list[ChatMessage], param: str = "messages", images: list | None = None
+                      ) -> list[dict]:
+        """Chat-shaped messages as the chat template takes them: {"role", "content": text, tool calls}. images: a
+        multimodal model's list, which takes the images of image parts in order (each part's text: the model's
+        image placeholder); None: image parts are a 400."""
         out = []
+        placeholder = self.engine.input_processor.image_placeholder() if images is not None else ""
         for i, m in enumerate(messages):
             where = f"{param}[{i}]"
-            message = self.message(m.role, m.content, where)
+            message = self.message(m.role, m.content, where, images, placeholder)
             if m.name is not None:
                 message["name"] = m.name
             if m.tool_calls is not None:
@@ -220,16 +225,17 @@ class OpenAIServing:
         return out
 
     @staticmethod
-    def message(role: str, content, param: str) -> dict:
+    def message(role: str, content, param: str, images: list | None = None, placeholder: str = "") -> dict:
         if role not in ROLES:
             raise bad_request(f"{param}.role={role!r} is invalid; allowed: {', '.join(ROLES)}", param=f"{param}.role")
         # Chat templates know "system"; OpenAI's newer "developer" role means the same to an open model.
         return {"role": "system" if role == "developer" else role,
-                "content": content_text(content, f"{param}.content")}
+                "content": content_text(content, f"{param}.content", images, placeholder)}
 
     def render(self, conversation: list[dict], add_generation_prompt: bool = True,
                template_kwargs: dict | None = None, chat_template: str | None = None,
-               tools: list[dict] | None = None) -> list[int]:
+               tools: list[dict] | None = None, as_text: bool = False) -> list[int] | str:
+        """The conversation's token ids (as_text: the template's text)."""
         if not conversation:
             raise bad_request("the conversation is empty: give at least one message", param="messages")
         if chat_template is not None and not self.options.trust_request_chat_template:
@@ -240,13 +246,25 @@ class OpenAIServing:
         if tools is not None:
             kwargs["tools"] = tools
         try:
-            return self.engine.input_processor.render_chat(conversation, add_generation_prompt, chat_template,
-                                                           **kwargs)
+            render = self.engine.input_processor.render_chat_text if as_text else self.engine.input_processor.render_chat
+            return render(conversation, add_generation_prompt, chat_template, **kwargs)
         except jinja2.TemplateError as e:  # e.g. a template that insists on alternating roles
             raise bad_request(f"the chat template refused this conversation: {e}") from None
         except Exception as e:  # a template is a program: whatever it raises on this request is the request's
             raise bad_request(f"the chat template failed on this conversation: {type(e).__name__}: "
                               f"{str(e)[:300]}") from None
+
+    def render_images(self, conversation: list[dict], images: list, add_generation_prompt: bool = True,
+                      template_kwargs: dict | None = None, chat_template: str | None = None,
+                      tools: list[dict] | None = None) -> tuple[list[int], list[MultiModalFeature]]:
+        """render() for a conversation with images: the template's text through the model's processor."""
+        if not images:
+            return self.render(conversation, add_generation_prompt, template_kwargs, chat_template, tools), []
+        text = self.render(conversation, add_generation_prompt, template_kwargs, chat_template, tools, as_text=True)
+        try:
+            return self.engine.input_processor.process_images(text, {"image": images}, add_special_tokens=False)
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from None
 
     def _template_kwargs(self, kwargs: dict | None, chat_template: str | None) -> dict:
         """chat_template_kwargs without the renderer's own arguments, and only those the template reads."""
@@ -269,11 +287,12 @@ class OpenAIServing:
 
     # ---- running ----
     async def start(self, token_ids: list[int], params: SamplingParams, request_id: str,
-                    prompt_text: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
+                    prompt_text: str | None = None, lora_request: LoRARequest | None = None,
+                    mm_features: list[MultiModalFeature] | None = None) -> RequestStream:
         """Adds the request now, so that one the engine refuses is an HTTP error before a stream begins; then its
         outputs as they come. A request with a grammar waits for its first output: the core compiles the grammar
         and may refuse it."""
-        prompt = {"prompt_token_ids": token_ids, "prompt": prompt_text}
+        prompt = {"prompt_token_ids": token_ids, "prompt": prompt_text, "mm_features": mm_features or []}
         try:
             queue = await self.engine.add_request(request_id, prompt, params, OutputKind.DELTA,
                                                   lora_request=lora_request)
@@ -286,13 +305,15 @@ class OpenAIServing:
 
     async def run_to_end(self, http: HTTPRequest, prompts: list[tuple[list[int], SamplingParams | PoolingParams]],
                          request_id: str, grammar_param: str | None = None,
-                         lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+                         lora_request: LoRARequest | None = None,
+                         mm_features: list[MultiModalFeature] | None = None) -> list[RequestOutput]:
         """Final outputs of one request per (prompt, params); all are aborted when the client disconnects. Pooling
-        params make pooling requests (PoolingRequestOutputs)."""
+        params make pooling requests (PoolingRequestOutputs). mm_features: the images of every prompt."""
         async def one(i: int, token_ids: list[int], params: SamplingParams | PoolingParams) -> RequestOutput:
             final = None
             pooling = params if isinstance(params, PoolingParams) else None
-            async for out in self.engine.generate({"prompt_token_ids": token_ids}, params, f"{request_id}-p{i}",
+            prompt = {"prompt_token_ids": token_ids, "mm_features": mm_features or []}
+            async for out in self.engine.generate(prompt, params, f"{request_id}-p{i}",
                                                   OutputKind.FINAL_ONLY, pooling, lora_request):
                 final = out
             return final

@@ -131,9 +131,11 @@ class LlamaForCausalLM(CausalLM):
         return MLP(tc.hidden_size, tc.intermediate_size, bool(cfg_get(tc, "mlp_bias", False)),
                    cfg_get(tc, "hidden_act", "silu"))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata]) -> torch.Tensor:
-        """Returns final hidden states [T, hidden]; `compute_logits` maps the rows that need them to logits."""
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata],
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns final hidden states [T, hidden]; `compute_logits` maps the rows that need them to logits.
+        inputs_embeds: the rows to run instead of the ids' embeddings (a VLM's, with its images merged in)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)

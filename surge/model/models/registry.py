@@ -25,6 +25,7 @@ from surge.model.models.cohere import CohereForCausalLM
 from surge.model.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from surge.model.models.ernie4_5 import Ernie4_5ForCausalLM
 from surge.model.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from surge.model.models.llava import LlavaForConditionalGeneration
 from surge.model.models.pooling import as_pooling_model
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -57,14 +58,15 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 
 # Every family also serves as a pooling model (runner "pooling"): its `*ForSequenceClassification` (a score head) and
 # its bare `*Model` (hidden states, as sentence-transformers saves it) name the family's pooling class.
 POOLING_ARCHITECTURES: dict[str, str] = {
-    arch.replace("ForCausalLM", suffix): arch for arch in MODEL_REGISTRY for suffix in ("ForSequenceClassification",
-                                                                                        "Model")}
+    arch.replace("ForCausalLM", suffix): arch for arch in MODEL_REGISTRY if arch.endswith("ForCausalLM")
+    for suffix in ("ForSequenceClassification", "Model")}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (*MODEL_REGISTRY, *POOLING_ARCHITECTURES)
 
 

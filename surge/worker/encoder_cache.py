@@ -1,0 +1,49 @@
+"""The encoder cache: each image's embeddings, keyed by its content hash, from the step that first needs them until
+every request using it has prefilled its placeholders; chunked prefill may split an image's span over several steps
+and requests may share an image, and neither encodes it twice."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from surge.multimodal import MultiModalFeature
+
+
+class EncoderCache:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.embeds: dict[str, torch.Tensor] = {}  # identifier -> [length, hidden]
+        self.users: dict[str, set[str]] = {}  # identifier -> requests whose placeholders are not all prefilled
+
+    def encode(self, model: nn.Module, needed: list[tuple[str, MultiModalFeature]]) -> None:
+        """Run the vision encoder once on every (request, feature) pair's image not cached yet, batched by shape."""
+        missing: dict[str, MultiModalFeature] = {}
+        for request_id, f in needed:
+            self.users.setdefault(f.identifier, set()).add(request_id)
+            if f.identifier not in self.embeds:
+                missing[f.identifier] = f
+        by_shape: dict[tuple[int, ...], list[MultiModalFeature]] = {}
+        for f in missing.values():
+            by_shape.setdefault(tuple(f.shape), []).append(f)
+        for group in by_shape.values():
+            out = model.embed_images(torch.stack([f.pixel_values(self.device) for f in group]))
+            for f, rows in zip(group, out):
+                if rows.shape[0] != f.length:
+                    raise ValueError(f"an image's encoder output has {rows.shape[0]} rows but its prompt holds "
+                                     f"{f.length} placeholder tokens")
+                self.embeds[f.identifier] = rows
+
+    def release(self, identifier: str, request_id: str) -> None:
+        """The request has prefilled the image's last placeholder."""
+        users = self.users.get(identifier)
+        if users is not None:
+            users.discard(request_id)
+            if not users:
+                del self.users[identifier]
+                self.embeds.pop(identifier, None)
+
+    def drop_requests(self, request_ids) -> None:
+        """Finished (or aborted) requests release every image they held."""
+        for identifier in [i for i, users in self.users.items() if users.intersection(request_ids)]:
+            for rid in request_ids:
+                self.release(identifier, rid)
