@@ -38,14 +38,14 @@ class ScriptedEngine:
         return [RequestOutput(request_id, None, token_ids, [CompletionOutput(0, p, [7], finish_reason=(
             "stop" if i == len(pieces) - 1 else None))], finished=i == len(pieces) - 1) for i, p in enumerate(pieces)]
 
-    async def add_request(self, request_id, prompt, params, output_kind):
+    async def add_request(self, request_id, prompt, params, output_kind, pooling_params=None, lora_request=None):
         self.prompts.append(prompt["prompt_token_ids"])
         queue: asyncio.Queue = asyncio.Queue()
         for out in self._outputs(request_id, prompt["prompt_token_ids"]):
             queue.put_nowait(out)
         return queue
 
-    async def generate(self, prompt, params, request_id, output_kind):
+    async def generate(self, prompt, params, request_id, output_kind, pooling_params=None, lora_request=None):
         self.prompts.append(prompt["prompt_token_ids"])
         yield RequestOutput(request_id, None, prompt["prompt_token_ids"],
                             [CompletionOutput(0, TEXT, [7] * 10, finish_reason="stop")], finished=True)
@@ -153,7 +153,7 @@ class TokenScriptedEngine(ScriptedEngine):
             0, self.tokenizer.decode(self.ids[:i + 1]) [len(self.tokenizer.decode(self.ids[:i])):], [t],
             finish_reason="stop" if i == n - 1 else None)], finished=i == n - 1) for i, t in enumerate(self.ids)]
 
-    async def generate(self, prompt, params, request_id, output_kind):
+    async def generate(self, prompt, params, request_id, output_kind, pooling_params=None, lora_request=None):
         self.prompts.append(prompt["prompt_token_ids"])
         yield RequestOutput(request_id, None, prompt["prompt_token_ids"],
                             [CompletionOutput(0, TEXT, list(self.ids), finish_reason="stop")], finished=True)
