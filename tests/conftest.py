@@ -1,9 +1,20 @@
-"""Fixtures shared by every test package."""
+"""Fixtures shared by every test package.
+
+Without CUDA, Triton runs its interpreter (tests/kernels), which it decides when triton.language is first imported:
+the standard library's @triton.jit functions (tl.sum, tl.max ...) are then interpreted or not for the whole process.
+Any test module may import triton first (surge.worker.model_runner imports two kernel modules), so the variable is
+set here, before every test module is collected; otherwise interpreted kernels fail calling tl.sum with "Cannot call
+@triton.jit'd outside of the scope of a kernel" (the full suite did, the kernel tests alone did not)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""Kernel tests run Triton's interpreter on the CPU. The variable must be set before any kernel is decorated, so
-surge.kernels modules are imported only inside tests (the packages imported earlier never import them)."""
+"""Kernel tests run Triton's interpreter on the CPU. The variable must be set before triton.language is imported:
+tests/conftest.py sets it for the whole suite; here again for a run of this package alone."""
 from __future__ import annotations
 
 import os
