@@ -10,6 +10,7 @@ import json
 import types
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -652,3 +653,16 @@ class EngineConfig:
         if self.cuda_graph_capture not in CUDA_GRAPH_CAPTURE_MODES:
             raise ValueError(f"cuda_graph_capture={self.cuda_graph_capture!r} must be one of "
                              f"{', '.join(CUDA_GRAPH_CAPTURE_MODES)}")
+
+
+def read_json_object(file: Path, owner: str) -> dict:
+    """A JSON object from `file`, or a ValueError naming `owner` and the file (missing, not JSON, not an object)."""
+    if not file.is_file():
+        raise ValueError(f"{owner}: {file.name} is missing")
+    try:
+        value = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{owner}: {file.name} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{owner}: {file.name} must hold a JSON object")
+    return value

@@ -16,6 +16,7 @@ import torch
 
 import surge.weight_cache.ipc_loader  # noqa: F401 (registers the weight_cache load format)
 from surge.config import (CUDA_GRAPH_CAPTURE_MODES, RUNNERS, WEIGHT_CACHE_MODES, CacheConfig, EngineConfig,
+                          read_json_object,
                           KVTransferConfig, LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
                           SpeculativeConfig, StructuredOutputsConfig, WeightCacheConfig)
 from surge.engine.sentence_transformers_config import read_pooler_config
@@ -369,13 +370,7 @@ def read_model_config(model: str | Path, dtype: str | torch.dtype, device: torch
     if not path.is_dir():
         raise ValueError(f"model={str(model)!r}: not a directory; expected an HF-format model directory "
                          "(config.json, *.safetensors, tokenizer files). Models are never fetched from a hub.")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model={str(model)!r}: config.json is missing")
-    try:
-        cfg = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"model={str(model)!r}: config.json is not valid JSON ({e})") from None
+    cfg = read_json_object(path / "config.json", f"model={str(model)!r}")
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"model={str(model)!r}: no *.safetensors weight files found")
     gen = path / "generation_config.json"

@@ -8,7 +8,6 @@ embeddings or the LM head, biases, per-module rank or alpha patterns.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from surge.config import read_json_object
 from surge.model.layers.linear import Linear
 
 CONFIG_FILE = "adapter_config.json"
@@ -47,15 +47,7 @@ def read_adapter_config(path: str | Path, max_lora_rank: int | None = None) -> A
     if not directory.is_dir():
         raise ValueError(f"LoRA adapter {where!r}: not a directory (a PEFT adapter directory with {CONFIG_FILE} and "
                          f"{WEIGHTS_FILE} is expected)")
-    config_file = directory / CONFIG_FILE
-    if not config_file.is_file():
-        raise ValueError(f"LoRA adapter {where!r}: {CONFIG_FILE} is missing")
-    try:
-        cfg = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"LoRA adapter {where!r}: {CONFIG_FILE} is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"LoRA adapter {where!r}: {CONFIG_FILE} must hold a JSON object")
+    cfg = read_json_object(directory / CONFIG_FILE, f"LoRA adapter {where!r}")
     peft_type = cfg.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise _unsupported(where, f"peft_type={peft_type!r} (only LORA)")
