@@ -19,11 +19,17 @@ def _to_fp8(x: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:
     return (x * inverse_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def _div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor rounded once (IEEE), as the kernels' div_rn: on CUDA, torch divides by a Python scalar as a
+    multiplication by its reciprocal, which is one ulp off for some x (and then q one fp8 step off)."""
+    return torch.div(x, torch.full_like(x, divisor))
+
+
 def fp8_quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q float8_e4m3fn [M, K], scale float32 [M, 1]) with scale = max(amax(|x row|) / 448, 1/(448*512))
     and q = sat(x * (1 / scale)), all in float32 (IEEE division). x ~= q * scale."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+    scale = _div(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp_min(FP8_MIN_SCALE)
     return _to_fp8(xf, 1.0 / scale), scale
 
 
@@ -32,7 +38,7 @@ def fp8_quant_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None) -> 
     without one, the dynamic scale is max(amax(|x|) / 448, 1/(448*512)) over the whole tensor."""
     xf = x.float()
     if scale is None:
-        scale = (xf.abs().amax() / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+        scale = _div(xf.abs().amax(), FP8_MAX).clamp_min(FP8_MIN_SCALE)
     scale = scale.float().reshape(1)
     return _to_fp8(xf, 1.0 / scale), scale
 
@@ -44,7 +50,7 @@ def fp8_quant_per_token_group(x: torch.Tensor, group_size: int = 128) -> tuple[t
     m, k = x.shape
     groups = -(-k // group_size)
     xf = torch.nn.functional.pad(x.float(), (0, groups * group_size - k)).view(m, groups, group_size)
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+    scale = _div(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp_min(FP8_MIN_SCALE)
     q = _to_fp8(xf, 1.0 / scale).view(m, groups * group_size)[:, :k]
     return q.contiguous(), scale.view(m, groups).t().contiguous().t()
 

@@ -53,7 +53,8 @@ class LoRAMapping:
         order, slots, starts, counts = group_by_slot(token_slot)
         assert len(slots) <= self.max_loras, (slots, self.max_loras)
         if not self.use_kernels:
-            self.groups = [(int(s), None if c == len(token_slot) else torch.from_numpy(order[b:b + c]))
+            self.groups = [(int(s), None if c == len(token_slot)
+                            else torch.from_numpy(order[b:b + c]).to(self.device))
                            for s, b, c in zip(slots, starts, counts)]
             return
         m = self.max_loras
