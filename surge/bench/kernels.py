@@ -610,10 +610,53 @@ def check_gemv() -> None:
         report(f"gemv {name} fp8 gemv best {best[1]}x{best[2]} w{best[3]}", best[0], nbytes=n * k)
 
 
+def check_wo_gemm(batches: tuple[int, ...] = (1, 8, 16, 32, 64, 128)) -> None:
+    """Decode-sized linear layers of Qwen3-8B with fp8 weights: bf16 cuBLAS, torch._scaled_mm with its per-token
+    quantization, the fp8 GEMV (M <= 4) and the weight-only tensor-core GEMM (fp8_wo_gemm) at its launch policy and
+    the best of a sweep (GB/s of the weight bytes: the bound at these sizes)."""
+    import itertools
+
+    from surge.kernels.fp8_quant import scaled_fp8_quant_per_token
+    from surge.kernels.fp8_wo_gemm import WoLaunch, fp8_wo_gemm, launch_policy
+    from surge.kernels.gemv import MAX_ROWS, fp8_gemv
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("# fp8 weight-only GEMM at decode sizes (weight bytes / time)")
+    for name, n, k in (("qkv", HQ * HEAD_DIM + 2 * HKV * HEAD_DIM, HIDDEN), ("o", HIDDEN, HQ * HEAD_DIM),
+                       ("gate_up", 2 * INTERMEDIATE, HIDDEN), ("down", HIDDEN, INTERMEDIATE)):
+        w16 = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02
+        scale = (w16.abs().amax(1, keepdim=True).float() / 448).clamp_min(1e-12)
+        w8 = (w16.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        for m in batches:
+            tag = f"{name} {n}x{k} M={m}"
+            x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+            expected = torch.nn.functional.linear(x.float(), w8.float() * scale)
+            report(f"bf16 cuBLAS {tag}", bench(lambda: torch.nn.functional.linear(x, w16)), nbytes=2 * n * k)
+
+            def scaled_mm():
+                q, s = scaled_fp8_quant_per_token(x)
+                return torch._scaled_mm(q, w8.t(), scale_a=s, scale_b=scale.view(1, -1), out_dtype=DTYPE)
+            report(f"fp8 _scaled_mm+quant {tag}", bench(scaled_mm), nbytes=n * k)
+            if m <= MAX_ROWS:
+                report(f"fp8 gemv {tag}", bench(lambda: fp8_gemv(x, w8, scale)), nbytes=n * k)
+            policy = launch_policy(m, n, k, sms)
+            report(f"fp8 wo_gemm {tag} {policy}", bench(lambda: fp8_wo_gemm(x, w8, scale)), nbytes=n * k,
+                   err=max_err(fp8_wo_gemm(x, w8, scale), expected), tol=2e-2)
+            sweep = []
+            for bn, bk, split, warps, stages in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (4,), (3, 5)):
+                lc = WoLaunch(policy.block_t, bn, bk, split, warps, stages)
+                try:
+                    sweep.append((bench(lambda lc=lc: fp8_wo_gemm(x, w8, scale, launch=lc)), str(lc)))
+                except Exception as e:  # a config the compiler refuses (shared memory): skipped, named
+                    print(f"  {lc}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+            best = min(sweep)
+            report(f"fp8 wo_gemm best {tag} {best[1]}", best[0], nbytes=n * k)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes")
-    parser.add_argument("--only", choices=["layers", "attention", "sampling", "moe", "quant", "gemv"],
+    parser.add_argument("--only", choices=["layers", "attention", "sampling", "moe", "quant", "gemv", "wo"],
                         help="one group of kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -633,6 +676,8 @@ def main() -> None:
         check_moe_quant()
     if args.only in (None, "gemv"):
         check_gemv()
+    if args.only in (None, "wo"):
+        check_wo_gemm((1, 16, 64) if args.quick else (1, 8, 16, 32, 64, 128))
     if failures:
         sys.exit(f"FAILED: {', '.join(failures)}")
     print("# all checks passed")

@@ -10,7 +10,8 @@ static activation scale float32 [1] (the largest of a merged layer's shards). Na
 
 CUDA with bf16/fp16 activations: up to 4 rows (decode at small batch), surge.kernels.gemv.py streams the fp8
 weight against the activations as they are (weight-only W8A16: the batch-1 step reads each weight byte once, with no
-quantization launch); more rows, torch._scaled_mm, row-wise (scale_a [M, 1], scale_b [1, N]) or block-wise (1x128 x
+quantization launch); up to 128 rows the same weight-only math on tensor cores (surge.kernels.fp8_wo_gemm.py:
+decode batches are still the weight's bandwidth, where cuBLASLt's fp8 tiles are not); more rows, torch._scaled_mm, row-wise (scale_a [M, 1], scale_b [1, N]) or block-wise (1x128 x
 128x128), activations quantized by surge/kernels/fp8_quant.py. Elsewhere (CPU, float32, other block shapes) the
 weight is dequantized once (a cached copy in the activations' dtype) and the activations' quantization simulated in
 float32 (quantize, dequantize; kernels/quant_reference.py), then the ordinary GEMM: the same math, the reference the
@@ -30,6 +31,7 @@ from surge.kernels.quant_reference import dequantize_fp8, fp8_fake_quant
 from surge.model.quant.base import LinearMethod, Sharding, add_param
 
 GEMV_ROWS = 4  # surge.kernels.gemv.py's MAX_ROWS (not imported here: it imports Triton)
+WO_GEMM_ROWS = 128  # surge.kernels.fp8_wo_gemm.py's MAX_ROWS
 
 
 def quantize_weight(w: torch.Tensor, scheme: str, block: tuple[int, int] | None
@@ -143,6 +145,10 @@ class Fp8LinearMethod(LinearMethod):
         if x2.shape[0] <= GEMV_ROWS:  # decode: stream the fp8 weight, activations as they are (weight-only)
             from surge.kernels.gemv import fp8_gemv
             out = fp8_gemv(x2, w, w_scale, bias, block_scales=self.block is not None)
+            return out.view(*shape[:-1], out.shape[-1])
+        if x2.shape[0] <= WO_GEMM_ROWS:  # decode batches: still the weight's bandwidth, on tensor cores
+            from surge.kernels.fp8_wo_gemm import fp8_wo_gemm
+            out = fp8_wo_gemm(x2, w, w_scale, bias, block_scales=self.block is not None)
             return out.view(*shape[:-1], out.shape[-1])
         kernels = _kernels()
         if self.activations == "group":
