@@ -38,3 +38,36 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, s
     (the indexer's compressed keys) -> [T, S]."""
     scores = torch.relu(torch.einsum("thd,sd->ths", q.float(), keys.float())) * softmax_scale
     return (scores * (weights.float() * weights_scale).unsqueeze(-1)).sum(dim=1)
+
+
+def compress_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, norm_weight: torch.Tensor,
+                     eps: float, cos: torch.Tensor, sin: torch.Tensor, rate: int, overlap: bool) -> torch.Tensor:
+    """The compressor's entries for one sequence's tokens from position 0, as HF's DeepseekV4HCACompressor /
+    DeepseekV4CSACompressor (and the indexer's own compressor) compute them, rounding step by step as they do.
+
+    kv, gate [n, W] (kv_proj / gate_proj outputs); position_bias [rate, W] float32; W = D, or 2D with overlap (CSA):
+    entry w then pools window w - 1's first half ("Ca") with window w's second half ("Cb"), 2 * rate slots, the Ca
+    slots of entry 0 absent. Per channel, softmax over the slots of gate + bias (float32), the weights rounded to
+    kv's dtype, weighted sum; RMSNorm (norm_weight, float32); interleaved rotary on the trailing 2 * cos.shape[-1]
+    channels at position w * rate (cos, sin [n // rate, rope_dim / 2], in kv's dtype as HF rounds them). Returns
+    [n // rate, D] in kv's dtype; a partial last window yields nothing."""
+    n_windows = kv.shape[0] // rate
+    width = kv.shape[1]
+    dim = width // 2 if overlap else width
+    kv = kv[:n_windows * rate].view(n_windows, rate, width)
+    gate = gate[:n_windows * rate].view(n_windows, rate, width) + position_bias
+    if overlap:
+        slots_kv = kv.new_zeros(n_windows, 2 * rate, dim)
+        slots_gate = gate.new_full((n_windows, 2 * rate, dim), float("-inf"))
+        slots_kv[:, rate:], slots_gate[:, rate:] = kv[..., dim:], gate[..., dim:]
+        slots_kv[1:, :rate], slots_gate[1:, :rate] = kv[:-1, :, :dim], gate[:-1, :, :dim]
+        kv, gate = slots_kv, slots_gate
+    pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+    normed = pooled.float()
+    normed = (norm_weight * (normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps))).to(kv.dtype)
+    rope_dim = 2 * cos.shape[-1]
+    nope, rope = normed[:, :dim - rope_dim], normed[:, dim - rope_dim:]
+    cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+    turned = torch.stack((-rope[:, 1::2], rope[:, 0::2]), dim=-1).flatten(-2)
+    rotated = (rope.float() * cos + turned.float() * sin).to(kv.dtype)
+    return torch.cat([nope, rotated], dim=-1)
