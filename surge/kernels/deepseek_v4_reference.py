@@ -71,3 +71,38 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.
     turned = torch.stack((-rope[:, 1::2], rope[:, 0::2]), dim=-1).flatten(-2)
     rotated = (rope.float() * cos + turned.float() * sin).to(kv.dtype)
     return torch.cat([nope, rotated], dim=-1)
+
+
+def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+            rms_eps: float, sinkhorn_iters: int, norm_weight: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HF's DeepseekV4HyperConnection (then the block's input RMSNorm when norm_weight is given): streams
+    [T, N, D] -> (post [T, N] float32, comb [T, N, N] float32, the collapsed streams [T, D] in streams' dtype,
+    normalized when norm_weight). fn [(2 + N) * N, N * D], base [(2 + N) * N], scale [3]: the mixes are
+    fn @ rms_normed(flattened streams), split into pre, post and comb (row-softmaxed, then Sinkhorn-normalized:
+    columns, then sinkhorn_iters - 1 times rows and columns)."""
+    n = streams.shape[1]
+    flat = streams.flatten(1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
+    pre_w, post_w, comb_w = torch.nn.functional.linear(flat, fn.float()).split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    if norm_weight is not None:
+        x = collapsed.float()
+        collapsed = (norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + rms_eps))).to(streams.dtype)
+    return post, comb, collapsed
+
+
+def mhc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The streams after a block, as HF's DeepseekV4DecoderLayer mixes them: post[t, n] * block_out[t] +
+    sum_j comb[t, j, n] * streams[t, j], in streams' dtype. block_out [T, D]; streams [T, N, D]."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
+                                                                                 streams)

@@ -96,7 +96,7 @@ def _select(key, need, RADIX_BITS: tl.constexpr):
     # The threshold as an offset u in [0, 2**32) above _KEY_MIN, built RADIX_BITS bits at a time from the top: the
     # largest u with count(key >= _KEY_MIN + u) >= need. Candidates are compared as int32 (_KEY_MIN + u fits).
     digits = tl.arange(0, 1 << RADIX_BITS).to(tl.int64)
-    prefix = tl.zeros((), dtype=tl.int64)
+    prefix = need.to(tl.int64) * 0
     for step in tl.static_range(32 // RADIX_BITS):
         shift: tl.constexpr = 32 - RADIX_BITS * (step + 1)
         candidate = (prefix + (digits << shift) + _KEY_MIN).to(tl.int32)

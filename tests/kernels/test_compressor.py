@@ -150,3 +150,44 @@ def test_rejects_bad_arguments(device):
         pool(*args, torch.zeros(2, 4, 16), rate=2, overlap=True)
     with pytest.raises(ValueError, match="entry_slot must be"):
         pool(*args[:-1], i32, torch.zeros(2, 4, 16), rate=4, overlap=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_cuda_graph_replays_any_closing_windows():
+    """Captured once for a capacity of 8 entries; each replay with other windows closing (the rest slot -1) writes
+    exactly what an eager launch writes, and nothing else."""
+    device, rate, head_dim, capacity = torch.device("cuda"), 4, 64, 8
+    g = torch.Generator().manual_seed(0)
+    state_kv = torch.randn(16, 8, 2 * head_dim, generator=g).to(device)
+    state_gate = torch.randn(16, 8, 2 * head_dim, generator=g).to(device)
+    table = torch.randperm(16, generator=g).to(torch.int32).view(2, 8).to(device)
+    bias, norm = torch.randn(rate, 2 * head_dim, generator=g).to(device), torch.randn(head_dim, generator=g).to(device)
+    cos, sin = (t.to(device) for t in _rope_caches(64, 16, torch.float32))
+    entry_seq = torch.zeros(capacity, dtype=torch.int32, device=device)
+    entry_window = torch.zeros(capacity, dtype=torch.int32, device=device)
+    entry_slot = torch.full((capacity,), -1, dtype=torch.int64, device=device)
+    cache = torch.zeros(8, 4, head_dim, device=device)
+    pool = CompressorPool(device)
+
+    def step(c):
+        pool(state_kv, state_gate, table, bias, norm, 1e-6, cos, sin, entry_seq, entry_window, entry_slot, c,
+             rate=rate, overlap=True)
+
+    step(cache)  # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(cache)
+    for live in (1, 8, 3):
+        entry_seq.copy_(torch.randint(0, 2, (capacity,), generator=g).to(torch.int32))
+        entry_window.copy_(torch.randint(0, 16, (capacity,), generator=g).to(torch.int32))
+        slots = torch.randperm(32, generator=g)[:capacity]
+        slots[live:] = -1
+        entry_slot.copy_(slots)
+        cache.zero_()
+        graph.replay()
+        eager = torch.zeros_like(cache)
+        step(eager)
+        torch.cuda.synchronize()
+        assert torch.equal(cache, eager), live
+        assert int((cache.view(-1, head_dim).abs().sum(-1) > 0).sum()) == live
