@@ -135,3 +135,26 @@ def test_preempted_image_requests_recompute_to_hf(tiny):
     assert llm.engine.scheduler.num_preemptions > 0
     assert not llm.engine.executor.runner.encoder_cache.embeds
     check(tiny, prompts, outs)
+
+
+def test_qwen2_5_vl_7b_preset_shapes():
+    """The benchmark preset (Qwen/Qwen2.5-VL-7B-Instruct's released, flat config.json) builds, shapes only: 8.3B
+    parameters, 0.68B of them the ViT; M-RoPE sections 16/24/24 (from rope_scaling) of the 64 frequencies; the released checkpoint's
+    names (`visual.*`, `model.*`, `lm_head.*`) map onto its parameters."""
+    from surge.model.loader.base import build_model
+    from surge.model.presets import preset_model_config
+
+    mc = preset_model_config("qwen2.5-vl-7b", "bfloat16", torch.device("cpu"), max_model_len=4096)
+    model = build_model(mc, torch.device("meta"))
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 8.29
+    assert round(sum(p.numel() for p in model.visual.parameters()) / 1e9, 2) == 0.68
+    rotary = model.language_model.layers[0].self_attn.rotary
+    assert mc.text_config.rope_parameters["mrope_section"] == [16, 24, 24] and rotary.axis.shape == (64,)
+    assert model.attention_layers()[0].kv_cache_spec(16, torch.bfloat16).page_size_bytes == 2 * 16 * 4 * 128 * 2
+    params = dict(model.named_parameters())
+    for name, (param, shard) in {"visual.blocks.0.attn.qkv.weight": ("visual.blocks.0.attn.qkv.weight", None),
+                                 "model.layers.3.self_attn.k_proj.bias":
+                                     ("language_model.layers.3.self_attn.qkv_proj.bias", "k"),
+                                 "model.embed_tokens.weight": ("language_model.embed_tokens.weight", None),
+                                 "lm_head.weight": ("language_model.lm_head.weight", None)}.items():
+        assert model.checkpoint_name_to_param(name) == (param, shard) and param in params
