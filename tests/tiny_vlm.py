@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                           LlavaForConditionalGeneration, LlavaProcessor, Qwen2_5_VLConfig,
-                          Qwen2_5_VLForConditionalGeneration)
+                          Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from remote_server import CHATML
@@ -75,18 +75,29 @@ def tiny_qwen2_5_vl_config() -> Qwen2_5_VLConfig:
                             video_token_id=VOCAB + 3, tie_word_embeddings=False)
 
 
+def tiny_qwen2_vl_config() -> Qwen2VLConfig:
+    """Qwen2-VL: the same decoder; a tower of LayerNorms and fc1/fc2 MLPs, full attention in both blocks."""
+    cfg = tiny_qwen2_5_vl_config().to_dict()
+    vision = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=_COMMON["hidden_size"], patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.1)
+    return Qwen2VLConfig(text_config=cfg["text_config"], vision_config=vision,
+                         **{k: cfg[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                                "video_token_id", "tie_word_embeddings")})
+
+
 def tiny_qwen_image_processor() -> Qwen2VLImageProcessorPil:
     """Images resized to multiples of 8 pixels, between 8x8 and 64x64."""
     return Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
                                     size={"shortest_edge": 64, "longest_edge": 64 * 64})
 
 
-def make_tiny_qwen2_5_vl(path: Path, seed: int = 0) -> Path:
+def make_tiny_qwen2_5_vl(path: Path, seed: int = 0, qwen2: bool = False) -> Path:
     """The checkpoint, its image processor and the byte tokenizer with Qwen's vision tokens (transformers'
     Qwen2_5_VLProcessor needs torchvision for its video half, so there is none). Norms in [0.5, 1.5], biases
-    normal(0, 0.1)."""
+    normal(0, 0.1). qwen2: Qwen2-VL instead."""
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config()).to(torch.float32)
+    model = (Qwen2VLForConditionalGeneration(tiny_qwen2_vl_config()) if qwen2 else
+             Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config())).to(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "ln_q" in name:

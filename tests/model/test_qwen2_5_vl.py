@@ -1,14 +1,14 @@
 """Qwen2.5-VL (window-attention ViT, M-RoPE decoder): a tiny random checkpoint with its real image processor matches
 HF transformers' generate token for token in float32: images of several sizes and text in one batch, image spans split
 by chunked prefill, prefix-cache hits that end inside an image, one image shown twice (encoded once), preemption; the
-M-RoPE positions equal HF's get_rope_index."""
+M-RoPE positions equal HF's get_rope_index. Qwen2-VL (the same decoder, a tower without windows) too."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
 from surge import LLM, SamplingParams
 from tiny_vlm import QWEN_IMAGE_TOKEN_ID, QWEN_PLACEHOLDER, make_tiny_qwen2_5_vl, tiny_qwen_image_processor
@@ -158,3 +158,15 @@ def test_qwen2_5_vl_7b_preset_shapes():
                                  "model.embed_tokens.weight": ("language_model.embed_tokens.weight", None),
                                  "lm_head.weight": ("language_model.lm_head.weight", None)}.items():
         assert model.checkpoint_name_to_param(name) == (param, shard) and param in params
+
+
+def test_qwen2_vl_matches_hf(tmp_path):
+    path = make_tiny_qwen2_5_vl(tmp_path / "tiny-qwen2-vl", qwen2=True)
+    tiny = (path, AutoTokenizer.from_pretrained(path),
+            Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval())
+    llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=8,
+              max_model_len=160)
+    prompts = [{"prompt": f"A{IMG}B and {IMG} two", "multi_modal_data": {"image": [random_image(1, (40, 56)),
+                                                                                      random_image(2, (24, 16))]}},
+               "just text here"]
+    check(tiny, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))

@@ -1,6 +1,7 @@
-"""Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration): a ViT that takes each image as a sequence of patches (window
+"""Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration) and Qwen2-VL (Qwen2VLForConditionalGeneration): a ViT that takes each image as a sequence of patches (window
 attention, with full attention at `fullatt_block_indexes`; 2-D rotary over patch rows and columns; 2x2 patches
 merged into one token), and a Qwen2 decoder with M-RoPE: three positions per token (temporal, height, width).
+Qwen2-VL's tower differs only in its norms (LayerNorm), MLP (fc1/fc2) and attention (whole image in every block).
 
 Positions (HF's get_rope_index): text tokens count up as usual, all three axes equal; an image's tokens take
 start + (t, row, column) of their merged patch, and the text after it continues from the image's largest position
@@ -25,7 +26,7 @@ from torch import nn
 from surge.attention.backend import AttentionMetadata, Prologue
 from surge.kernels.reference import rotate_half
 from surge.model.arch import CausalLM, head_dim
-from surge.model.layers.norm import RMSNorm
+from surge.model.layers.norm import LayerNorm, RMSNorm
 from surge.model.layers.rotary import MRotaryEmbedding, RopeRows, rope_parameters
 from surge.model.models.llama import DecoderAttention, Qwen2ForCausalLM
 from surge.multimodal import MultiModalFeature
@@ -67,12 +68,28 @@ class VisionMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, vc) -> None:
+class Qwen2VisionMLP(nn.Module):
+    """Qwen2-VL's: fc1, activation (quick_gelu), fc2."""
+
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        from transformers.activations import ACT2FN
         super().__init__()
-        self.norm1, self.norm2 = RMSNorm(vc.hidden_size, 1e-6), RMSNorm(vc.hidden_size, 1e-6)
-        self.attn = VisionAttention(vc.hidden_size, vc.num_heads)
-        self.mlp = VisionMLP(vc.hidden_size, vc.intermediate_size, vc.hidden_act)
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.act = ACT2FN[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, vc, qwen2: bool) -> None:
+        super().__init__()
+        dim = vc.embed_dim if qwen2 else vc.hidden_size
+        norm = LayerNorm if qwen2 else RMSNorm
+        self.norm1, self.norm2 = norm(dim, 1e-6), norm(dim, 1e-6)
+        self.attn = VisionAttention(dim, vc.num_heads)
+        self.mlp = (Qwen2VisionMLP(dim, int(dim * vc.mlp_ratio), vc.hidden_act) if qwen2
+                    else VisionMLP(dim, vc.intermediate_size, vc.hidden_act))
 
     def forward(self, x, cos, sin, segments):
         x = x + self.attn(self.norm1(x), cos, sin, segments)
@@ -82,10 +99,10 @@ class VisionBlock(nn.Module):
 class PatchMerger(nn.Module):
     """Each merge_size x merge_size block of patches (consecutive rows of the sequence) into one LM token."""
 
-    def __init__(self, out_dim: int, dim: int, merge_size: int) -> None:
+    def __init__(self, out_dim: int, dim: int, merge_size: int, norm: type[nn.Module]) -> None:
         super().__init__()
         self.hidden = dim * merge_size ** 2
-        self.ln_q = RMSNorm(dim, 1e-6)
+        self.ln_q = norm(dim, 1e-6)
         self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, out_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,24 +129,30 @@ def _segments(lengths: list[int]) -> list[torch.Tensor]:
     return [torch.tensor(s)[:, None] + torch.arange(n) for n, s in by_length.items()]
 
 
-class Qwen2_5_VisionTower(nn.Module):
-    def __init__(self, vc) -> None:
+class VisionTower(nn.Module):
+    """Qwen2.5-VL's tower, or with qwen2 Qwen2-VL's: LayerNorms, an fc1/fc2 MLP, full attention in every block
+    (`embed_dim` wide, `hidden_size` out)."""
+
+    def __init__(self, vc, qwen2: bool = False) -> None:
         super().__init__()
-        self.merge, self.patch, self.window = vc.spatial_merge_size, vc.patch_size, vc.window_size
-        self.full_blocks = set(vc.fullatt_block_indexes)
-        self.head_dim = vc.hidden_size // vc.num_heads
+        dim = vc.embed_dim if qwen2 else vc.hidden_size
+        self.out_dim = vc.hidden_size if qwen2 else vc.out_hidden_size
+        self.merge, self.patch = vc.spatial_merge_size, vc.patch_size
+        self.window = None if qwen2 else vc.window_size
+        self.full_blocks = set(range(vc.depth)) if qwen2 else set(vc.fullatt_block_indexes)
+        self.head_dim = dim // vc.num_heads
         self.theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv3d(vc.in_channels, vc.hidden_size, bias=False,
+        self.patch_embed.proj = nn.Conv3d(vc.in_channels, dim, bias=False,
                                           kernel_size=(vc.temporal_patch_size, vc.patch_size, vc.patch_size))
-        self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
-        self.merger = PatchMerger(vc.out_hidden_size, vc.hidden_size, vc.spatial_merge_size)
+        self.blocks = nn.ModuleList(VisionBlock(vc, qwen2) for _ in range(vc.depth))
+        self.merger = PatchMerger(self.out_dim, dim, vc.spatial_merge_size, LayerNorm if qwen2 else RMSNorm)
 
     def layout(self, grids: list[list[int]]) -> _Layout:
         """HF's window index: each frame's merged grid cut into windows of window_size pixels (edge windows
         smaller), visited window by window; rotary positions are patch (row, column), merge blocks contiguous."""
         m, unit = self.merge, self.merge ** 2
-        per_window = self.window // m // self.patch
+        per_window = self.window // m // self.patch if self.window else 1 << 30  # no windows: one per frame
         order, positions, window_lengths, image_lengths = [], [], [], []
         base = 0
         for t, h, w in grids:
@@ -215,6 +238,7 @@ class Qwen2VLProcessor:
 
 class Qwen2_5_VLForConditionalGeneration(CausalLM):
     uses_mrope = True  # the runner feeds positions [3, T] (StepInputs.model_positions)
+    qwen2_tower = False
 
     def __init__(self, config, quant_config=None) -> None:
         from transformers import AutoConfig
@@ -224,10 +248,11 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
                                     **{k: v for k, v in hf.items() if k != "model_type"})
         vc = full.vision_config
         self.merge = vc.spatial_merge_size
-        if vc.out_hidden_size != self.tc.hidden_size:
-            raise ValueError(f"vision_config.out_hidden_size={vc.out_hidden_size} must equal the language model's "
-                             f"hidden_size={self.tc.hidden_size}")
-        self.visual = Qwen2_5_VisionTower(vc)
+        self.visual = VisionTower(vc, self.qwen2_tower)
+        if self.visual.out_dim != self.tc.hidden_size:
+            raise ValueError(f"the vision tower's output size {self.visual.out_dim} (vision_config."
+                             f"{'hidden_size' if self.qwen2_tower else 'out_hidden_size'}) must equal the language "
+                             f"model's hidden_size={self.tc.hidden_size}")
         self.language_model = Qwen2VLTextModel(config, quant_config)
         self.tie_word_embeddings = self.language_model.tie_word_embeddings
 
@@ -321,3 +346,8 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
             name = "model." + name[len("language_model."):]
         mapped = self.language_model.checkpoint_name_to_param(name)
         return None if mapped is None else ("language_model." + mapped[0], mapped[1])
+
+
+class Qwen2VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """Qwen2-VL: the same decoder, M-RoPE and prompt layout; its tower attends to the whole image in every block."""
+    qwen2_tower = True
