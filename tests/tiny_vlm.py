@@ -1,12 +1,15 @@
-"""A tiny random LLaVA (CLIP vision tower, two-layer projector, tiny Llama) saved as an HF directory with a real
-processor (LlavaProcessor: CLIPImageProcessor + the byte tokenizer with an `<image>` token), for fast tests."""
+"""Tiny random vision-language models saved as HF directories with real processors, for fast tests: LLaVA (CLIP
+vision tower, two-layer projector, tiny Llama; LlavaProcessor: CLIPImageProcessor + the byte tokenizer with an
+`<image>` token) and Qwen2.5-VL (its image processor + the byte tokenizer with Qwen's vision tokens)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                          LlavaForConditionalGeneration, LlavaProcessor)
+                          LlavaForConditionalGeneration, LlavaProcessor, Qwen2_5_VLConfig,
+                          Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from remote_server import CHATML
 from tiny_models import _COMMON, VOCAB, byte_tokenizer
@@ -47,4 +50,65 @@ def make_tiny_llava(path: Path, seed: int = 0) -> Path:
                 p.normal_(0.0, 0.1)
     model.save_pretrained(path)
     tiny_processor().save_pretrained(path)
+    return path
+
+
+# ---- Qwen2.5-VL: window-attention ViT with 2-D rope, patch merger, Qwen2 decoder with M-RoPE ----
+
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # ids VOCAB..VOCAB + 3
+QWEN_IMAGE_TOKEN_ID = VOCAB + 2
+QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def tiny_qwen2_5_vl_config() -> Qwen2_5_VLConfig:
+    """16-channel heads: M-RoPE sections of 2/3/3 frequencies; 4-pixel patches merged 2x2, windows of 16 pixels
+    (2x2 merged tokens), full attention in the second of two blocks. Weights drawn with std 0.1 (not 0.02): the
+    greedy tokens then depend on the image and on the positions, so a wrong patch, window or position shows."""
+    text = dict(**{**_COMMON, "vocab_size": VOCAB + len(QWEN_TOKENS), "num_hidden_layers": 2},
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                initializer_range=0.1)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=_COMMON["hidden_size"],
+                  patch_size=4, spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1],
+                  initializer_range=0.1)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, vision_start_token_id=VOCAB,
+                            vision_end_token_id=VOCAB + 1, image_token_id=QWEN_IMAGE_TOKEN_ID,
+                            video_token_id=VOCAB + 3, tie_word_embeddings=False)
+
+
+def tiny_qwen2_vl_config() -> Qwen2VLConfig:
+    """Qwen2-VL: the same decoder; a tower of LayerNorms and fc1/fc2 MLPs, full attention in both blocks."""
+    cfg = tiny_qwen2_5_vl_config().to_dict()
+    vision = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=_COMMON["hidden_size"], patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.1)
+    return Qwen2VLConfig(text_config=cfg["text_config"], vision_config=vision,
+                         **{k: cfg[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                                "video_token_id", "tie_word_embeddings")})
+
+
+def tiny_qwen_image_processor() -> Qwen2VLImageProcessorPil:
+    """Images resized to multiples of 8 pixels, between 8x8 and 64x64."""
+    return Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                    size={"shortest_edge": 64, "longest_edge": 64 * 64})
+
+
+def make_tiny_qwen2_5_vl(path: Path, seed: int = 0, qwen2: bool = False) -> Path:
+    """The checkpoint, its image processor and the byte tokenizer with Qwen's vision tokens (transformers'
+    Qwen2_5_VLProcessor needs torchvision for its video half, so there is none). Norms in [0.5, 1.5], biases
+    normal(0, 0.1). qwen2: Qwen2-VL instead."""
+    torch.manual_seed(seed)
+    model = (Qwen2VLForConditionalGeneration(tiny_qwen2_vl_config()) if qwen2 else
+             Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config())).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == QWEN_IMAGE_TOKEN_ID
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    tiny_qwen_image_processor().save_pretrained(path)
     return path

@@ -78,11 +78,13 @@ class InputProcessor:
         return model_class.process_prompt(self.hf_processor(), text, images, add_special_tokens)
 
     def hf_processor(self):
+        """The model's processor: its class's `load_processor` where it has one, else transformers' AutoProcessor."""
         if self._hf_processor is None:
             from transformers import AutoProcessor
             model = self.config.model_config.model
+            load = getattr(self._multimodal_model_class(), "load_processor", AutoProcessor.from_pretrained)
             try:
-                self._hf_processor = AutoProcessor.from_pretrained(str(model))
+                self._hf_processor = load(str(model))
             except Exception as e:  # as load_tokenizer: many types; the user needs the directory and the cause
                 raise ValueError(f"model={str(model)!r}: cannot load its processor ({type(e).__name__}: {e})"
                                  ) from None

@@ -81,6 +81,21 @@ _DEEPSEEK_V2_LITE = dict(
     rope_scaling=dict(type="yarn", factor=40, beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707,
                       original_max_position_embeddings=4096))
 
+# Qwen/Qwen2.5-VL-7B-Instruct's config.json (the released, flat layout: the decoder's fields at the top level, M-RoPE
+# as rope_scaling type "mrope"): 8.3B parameters, a 32-block ViT (window attention but in blocks 7/15/23/31) of 0.67B.
+_QWEN2_5_VL_7B = dict(
+    architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", hidden_size=3584,
+    intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+    max_position_embeddings=128000, max_window_layers=28, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, sliding_window=32768, use_sliding_window=False,
+    tie_word_embeddings=False, attention_dropout=0.0, hidden_act="silu", bos_token_id=151643, eos_token_id=151645,
+    vision_start_token_id=151652, vision_end_token_id=151653, vision_token_id=151654, image_token_id=151655,
+    video_token_id=151656,
+    vision_config=dict(depth=32, hidden_act="silu", hidden_size=1280, intermediate_size=3420, num_heads=16, in_chans=3,
+                       out_hidden_size=3584, patch_size=14, spatial_merge_size=2, spatial_patch_size=14,
+                       window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
+                       temporal_patch_size=2))
+
 _TINY = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
     num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=4096,
@@ -105,6 +120,7 @@ PRESETS: dict[str, dict] = {
     "gemma-3-12b": _GEMMA3_12B,
     "gpt-oss-20b": _GPT_OSS_20B,
     "deepseek-v2-lite": _DEEPSEEK_V2_LITE,
+    "qwen2.5-vl-7b": _QWEN2_5_VL_7B,
     "tiny-llama": _TINY,
     "tiny-qwen3-hybrid": _TINY_HYBRID,
     "tiny-qwen3-moe": _TINY_MOE,

@@ -195,7 +195,7 @@ class CUDAGraphRunner:
                      stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         inp = self.inputs
         for _ in range(warm):
-            self.model(inp.input_ids[:num_tokens], inp.positions[:num_tokens], meta)
+            self.model(inp.input_ids[:num_tokens], inp.model_positions(num_tokens), meta)
         if warm:
             torch.cuda.current_stream().synchronize()  # not the device: another engine may be capturing
         graph = torch.cuda.CUDAGraph()
@@ -204,7 +204,7 @@ class CUDAGraphRunner:
             # synchronize still would: see the module's docstring).
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
-                out = self.model(inp.input_ids[:num_tokens], inp.positions[:num_tokens], meta)
+                out = self.model(inp.input_ids[:num_tokens], inp.model_positions(num_tokens), meta)
             finally:
                 graph.capture_end()
         if self.pool is None:

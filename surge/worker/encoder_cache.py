@@ -16,22 +16,21 @@ class EncoderCache:
         self.users: dict[str, set[str]] = {}  # identifier -> requests whose placeholders are not all prefilled
 
     def encode(self, model: nn.Module, needed: list[tuple[str, MultiModalFeature]]) -> None:
-        """Run the vision encoder once on every (request, feature) pair's image not cached yet, batched by shape."""
+        """Run the vision encoder once on every (request, feature) pair's image not cached yet, in one call: the
+        model batches them as its tower allows (LLaVA by pixel shape, Qwen2.5-VL as one packed patch sequence)."""
         missing: dict[str, MultiModalFeature] = {}
         for request_id, f in needed:
             self.users.setdefault(f.identifier, set()).add(request_id)
             if f.identifier not in self.embeds:
                 missing[f.identifier] = f
-        by_shape: dict[tuple[int, ...], list[MultiModalFeature]] = {}
-        for f in missing.values():
-            by_shape.setdefault(tuple(f.shape), []).append(f)
-        for group in by_shape.values():
-            out = model.embed_images(torch.stack([f.pixel_values(self.device) for f in group]))
-            for f, rows in zip(group, out):
-                if rows.shape[0] != f.length:
-                    raise ValueError(f"an image's encoder output has {rows.shape[0]} rows but its prompt holds "
-                                     f"{f.length} placeholder tokens")
-                self.embeds[f.identifier] = rows
+        if not missing:
+            return
+        features = list(missing.values())
+        for f, rows in zip(features, model.embed_images(features, self.device), strict=True):
+            if rows.shape[0] != f.length:
+                raise ValueError(f"an image's encoder output has {rows.shape[0]} rows but its prompt holds "
+                                 f"{f.length} placeholder tokens")
+            self.embeds[f.identifier] = rows
 
     def release(self, identifier: str, request_id: str) -> None:
         """The request has prefilled the image's last placeholder."""

@@ -144,7 +144,12 @@ class ModelRunner:
         self.kv_connector = create_connector(config, KVConnectorRole.WORKER, self.kv_cache_config)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
-        self.requests = RequestStates(len(self.kv_cache_config.groups), self.device)
+        # An M-RoPE model (Qwen2.5-VL) takes [3, T] positions: each request's prompt table is computed once here.
+        mrope = getattr(self.model, "uses_mrope", False)
+        if mrope and spec is not None:
+            raise ValueError(f"speculative decoding is not supported with {mc.architecture} (M-RoPE positions) yet")
+        self.requests = RequestStates(len(self.kv_cache_config.groups), self.device,
+                                      self.model.mrope_positions if mrope else None)
         self.encoder_cache = EncoderCache(self.device)  # image embeddings (a multimodal model's) until prefilled
         # Structured output, in-process only: called with the step message once its forward is launched, returns
         # the masks (filled while the device runs it); None: they come in the message.
@@ -152,7 +157,7 @@ class ModelRunner:
         cc, sc = config.cache_config, config.scheduler_config
         self.inputs = StepInputs(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs,
                                  -(-mc.max_model_len // cc.block_size), len(self.kv_cache_config.groups),
-                                 cc.block_size, self.device)
+                                 cc.block_size, self.device, mrope=mrope)
         # LoRA: slot pools on the linear layers, and each step's token -> slot mapping (graphs capture its buffers).
         self.lora = None
         if config.lora_config is not None:
@@ -326,14 +331,14 @@ class ModelRunner:
         n = batch.num_tokens
         inputs_embeds = self._merged_image_embeds(batch)
         if inputs_embeds is not None:  # a step that prefills image placeholders: eager
-            return self.model(self.inputs.input_ids[:n], self.inputs.positions[:n], batch.meta, inputs_embeds)
+            return self.model(self.inputs.input_ids[:n], self.inputs.model_positions(n), batch.meta, inputs_embeds)
         graphs = self.graph_runner
         if graphs is not None:
             if batch.meta[0].decode_only and graphs.padded_size(batch.num_reqs):
                 return graphs.replay(batch.num_reqs)
             if not batch.meta[0].decode_only and graphs.mixed_size(batch.num_tokens, batch.num_reqs):
                 return graphs.replay_mixed(batch.num_tokens, batch.num_reqs)
-        return self.model(self.inputs.input_ids[:n], self.inputs.positions[:n], batch.meta)
+        return self.model(self.inputs.input_ids[:n], self.inputs.model_positions(n), batch.meta)
 
     def _merged_image_embeds(self, batch: StepBatch) -> torch.Tensor | None:
         """The step's input embeddings with image rows at the placeholder positions it computes (each image encoded
@@ -356,7 +361,11 @@ class ModelRunner:
         embeds = self.model.embed_input_ids(self.inputs.input_ids[:batch.num_tokens])
         for row, rid, f, a, b in spans:
             embeds[row:row + b - a] = cache.embeds[f.identifier][a:b]
-            if b == f.length:
+        # Released once the request has prefilled every span of that image (a prompt may show one image twice).
+        ends = {s.request_id: s.num_computed_tokens + s.num_new_tokens for s in batch.scheduled}
+        for _, rid, f, _, b in spans:
+            state = self.requests.requests[rid]
+            if b == f.length and all(g.end <= ends[rid] for g in state.mm_features if g.identifier == f.identifier):
                 cache.release(f.identifier, rid)
         return embeds
 

@@ -5,6 +5,9 @@ the runner lacks and patches its block tables from the message's diffs. Nothing 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
 
 from surge.core.request import TokenSequence
@@ -24,7 +27,9 @@ def sampling_generator(params: SamplingParams, device: torch.device) -> torch.Ge
 class CachedRequestState(TokenSequence):
     """What the runner knows of one request: its tokens as far as the host sent them, block tables, RNG."""
 
-    def __init__(self, new: NewRequest, num_groups: int, device: torch.device) -> None:
+    def __init__(self, new: NewRequest, num_groups: int, device: torch.device,
+                 mrope_positions: Callable | None = None) -> None:
+        """mrope_positions: an M-RoPE model's (prompt ids, images) -> (prompt positions [3, P] or None, delta)."""
         self.request_id = new.request_id
         self.prompt_token_ids = new.prompt_token_ids
         self.num_prompt_tokens = len(new.prompt_token_ids)
@@ -32,6 +37,12 @@ class CachedRequestState(TokenSequence):
         self.pooling_params = new.pooling_params
         self.lora_request = new.lora_request
         self.mm_features = new.mm_features
+        # An M-RoPE model's prompt positions (None: all three axes are the sequence position) and the offset of
+        # every later token's position from its sequence position.
+        self.mrope_positions: np.ndarray | None = None
+        self.mrope_delta = 0
+        if mrope_positions is not None:
+            self.mrope_positions, self.mrope_delta = mrope_positions(new.prompt_token_ids, new.mm_features)
         self.pooled: torch.Tensor | None = None  # a pooling request's state across prefill chunks (worker/pooling.py)
         self.token_ids = list(new.prompt_token_ids)
         self.block_ids: list[list[int]] = [[] for _ in range(num_groups)]
@@ -52,9 +63,10 @@ class CachedRequestState(TokenSequence):
 class RequestStates:
     """Every request the runner holds, by id, until a step message says it finished."""
 
-    def __init__(self, num_groups: int, device: torch.device) -> None:
+    def __init__(self, num_groups: int, device: torch.device, mrope_positions: Callable | None = None) -> None:
         self.num_groups = num_groups
         self.device = device
+        self.mrope_positions = mrope_positions
         self.requests: dict[str, CachedRequestState] = {}
 
     def apply(self, out: SchedulerOutput) -> list[CachedRequestState]:
@@ -62,7 +74,8 @@ class RequestStates:
         for rid in out.finished_ids:
             self.requests.pop(rid, None)
         for new in out.new_requests:
-            self.requests[new.request_id] = CachedRequestState(new, self.num_groups, self.device)
+            self.requests[new.request_id] = CachedRequestState(new, self.num_groups, self.device,
+                                                                  self.mrope_positions)
         states = []
         for s in out.scheduled:
             state = self.requests[s.request_id]

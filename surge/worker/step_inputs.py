@@ -1,5 +1,9 @@
 """Persistent input buffers for one model step: token ids, positions, and per-KV-group slot mappings and block
 tables, sized by capacity. Each step fills a prefix; CUDA graphs capture views of these very tensors.
+
+An M-RoPE model (Qwen2.5-VL) also gets `mrope_positions` [3, T]: a prompt token's three positions from its request's
+table, any later token's sequence position + the request's delta on all three. The 1-D `positions` stay the sequence
+positions, which the KV slots follow.
 """
 from __future__ import annotations
 
@@ -34,11 +38,13 @@ class DeviceDrafts:
 
 class StepInputs:
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks_per_req: int, num_groups: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, mrope: bool = False) -> None:
         self.block_size = block_size
         self.device = device
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        # Rows past a step's tokens (graph padding) keep older steps' values: positions still inside the rotary table.
+        self.mrope_positions = torch.zeros(3, max_tokens, dtype=torch.int64, device=device) if mrope else None
         self.slot_mapping = [torch.zeros(max_tokens, dtype=torch.int64, device=device) for _ in range(num_groups)]
         self.block_tables = [torch.zeros(max_reqs, max_blocks_per_req, dtype=torch.int32, device=device)
                              for _ in range(num_groups)]
@@ -121,6 +127,9 @@ class StepInputs:
         # (values, length written, fill for the rest: a mixed graph's padding), in the order the copies take them.
         parts = [(token_ids, tokens_out, 0), (positions, tokens_out, 0), (seq_lens, reqs_out, 0),
                  (query_start_loc, reqs_out + 1, num_tokens)]
+        if self.mrope_positions is not None:
+            parts += [(row, tokens_out, 0) for row in _mrope_positions(states, positions, req_of_token,
+                                                                         query_start_loc, starts, seq_lens)]
         widths = []
         for g in range(len(self.slot_mapping)):
             rows = [state.block_ids[g] for state in states]
@@ -176,6 +185,9 @@ class StepInputs:
         self.positions[:tokens_out].copy_(take(tokens_out))
         self.seq_lens[:reqs_out].copy_(take(reqs_out))
         self.query_start_loc[:reqs_out + 1].copy_(take(reqs_out + 1))
+        if self.mrope_positions is not None:
+            for axis in range(3):
+                self.mrope_positions[axis, :tokens_out].copy_(take(tokens_out))
         for g, width in enumerate(widths):
             self.slot_mapping[g][:tokens_out].copy_(take(tokens_out))
             self.block_tables[g][:num_reqs, :width].copy_(take(num_reqs * width).view(num_reqs, width))
@@ -208,6 +220,12 @@ class StepInputs:
                     seq_lens_host[i] -= r
         self._padding = (num_tokens, num_reqs, *pad) if pad else None
         return num_tokens, num_reqs, query_start_loc.tolist(), seq_lens_host
+
+    def model_positions(self, num_tokens: int) -> torch.Tensor:
+        """The positions the model takes: [num_tokens], or [3, num_tokens] for an M-RoPE model."""
+        if self.mrope_positions is not None:
+            return self.mrope_positions[:, :num_tokens]
+        return self.positions[:num_tokens]
 
     def warm_up_ahead(self, k: int) -> None:
         """Compile the ahead rows' kernel for k drafts, so the first step scheduled ahead does not wait for it."""
@@ -260,3 +278,19 @@ class StepInputs:
         build = backend.build_for_graph_capture if for_capture else backend.build_metadata
         return [build(common, slots[:num_tokens], table[:num_reqs, :width])
                 for slots, table in zip(self.slot_mapping, self.block_tables)]
+
+
+def _mrope_positions(states: list[CachedRequestState], positions: np.ndarray, req_of_token: np.ndarray,
+                     query_start_loc: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """[3, num_tokens]: each token's sequence position + its request's delta, then the prompt tokens of requests
+    with images from their tables (CachedRequestState.mrope_positions). Chunked prefill, prefix-cache hits and
+    preemption only move `starts`, so each token gets the same three positions whichever step computes it."""
+    deltas = np.fromiter((s.mrope_delta for s in states), dtype=np.int64, count=len(states))
+    out = np.repeat((positions + deltas[req_of_token])[None, :], 3, axis=0)
+    for i, state in enumerate(states):
+        table = state.mrope_positions
+        if table is not None and starts[i] < table.shape[1]:
+            end = min(int(ends[i]), table.shape[1])
+            lo = int(query_start_loc[i])
+            out[:, lo:lo + end - int(starts[i])] = table[:, starts[i]:end]
+    return out

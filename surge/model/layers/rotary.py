@@ -22,6 +22,8 @@ the request, the chunking of its prefill or the prefix cache.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 import types
@@ -164,3 +166,38 @@ class RotaryEmbedding(nn.Module):
             apply_rotary(positions, q, k, self.cos_cache, self.sin_cache, interleaved=self.interleaved)
             return q, k
         return Prologue(positions, self.cos_cache, self.sin_cache, interleaved=self.interleaved).apply(q, k)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL, Qwen2.5-VL): positions [3, T] of (temporal, height, width); `mrope_section` splits a head's
+    rotary_dim // 2 frequencies into three runs, and run i turns by axis i's position (HF's layout, not the
+    interleaved one of Qwen3-VL). A text token has three equal positions, which is plain rope."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict) -> None:
+        params = dict(params)
+        section = params.pop("mrope_section", None)
+        if params.pop("mrope_interleaved", False):
+            raise ValueError("rope_parameters.mrope_interleaved=True (Qwen3-VL's layout) is not supported yet")
+        super().__init__(head_dim, max_position, params)
+        half = self.rotary_dim // 2
+        if not (isinstance(section, (list, tuple)) and len(section) == 3 and sum(section) == half):
+            raise ValueError(f"rope_parameters.mrope_section={section!r} must be three counts of frequencies summing "
+                             f"to rotary_dim // 2 = {half}")
+        axis = torch.repeat_interleave(torch.arange(3, device="cpu"), torch.tensor(section, device="cpu"))
+        self.register_buffer("axis", axis.to(torch.get_default_device()), persistent=False)  # [half]: each's axis
+
+    def rows(self, positions: torch.Tensor) -> RopeRows:
+        """The step's rotary rows: cos/sin [T, rotary_dim // 2] of each token's own three positions, looked up by
+        token index (so the attention prologue and its kernels, which index a table by position, take them as
+        they are). One gather per step, shared by every layer; CUDA-graph safe."""
+        index = positions.index_select(0, self.axis).T  # [T, half]: the position each frequency turns by
+        return RopeRows(torch.arange(positions.shape[1], device=positions.device),
+                        self.cos_cache.gather(0, index), self.sin_cache.gather(0, index))
+
+
+@dataclass
+class RopeRows:
+    """Rotary tables with one row per token of a step, and the index (0..T-1) that picks each token's row."""
+    index: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor

@@ -82,7 +82,19 @@ class LlavaForConditionalGeneration(CausalLM):
         return ids, features
 
     # ---- the runner's part ----
-    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def embed_images(self, features: list[MultiModalFeature], device: torch.device) -> list[torch.Tensor]:
+        """Each image's embeddings [tokens per image, hidden]; images of one pixel shape run as one batch."""
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, f in enumerate(features):
+            by_shape.setdefault(tuple(f.shape), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(features)
+        for group in by_shape.values():
+            embeds = self._embed_pixels(torch.stack([features[i].pixel_values(device) for i in group]))
+            for i, rows in zip(group, embeds):
+                out[i] = rows
+        return out
+
+    def _embed_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, C, H, W] -> [N, tokens per image, hidden]: the vision tower's chosen layer(s), projected."""
         out = self.vision_tower(pixel_values.to(self.config.dtype), output_hidden_states=True)
         layers = [self.feature_layers] if isinstance(self.feature_layers, int) else self.feature_layers
