@@ -32,7 +32,7 @@ class WoLaunch:
     block_k: int
     split_k: int
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
 
 
 def launch_policy(m: int, n: int, k: int, num_sms: int = 132, block_scales: bool = False) -> WoLaunch:

@@ -31,7 +31,7 @@ from surge.kernels.quant_reference import dequantize_fp8, fp8_fake_quant
 from surge.model.quant.base import LinearMethod, Sharding, add_param
 
 GEMV_ROWS = 4  # surge.kernels.gemv.py's MAX_ROWS (not imported here: it imports Triton)
-WO_GEMM_ROWS = 128  # surge.kernels.fp8_wo_gemm.py's MAX_ROWS
+WO_GEMM_ROWS = 32  # up to here fp8_wo_gemm beats torch._scaled_mm on all of Qwen3-8B's layers (H200, bench kernels --only wo)
 
 
 def quantize_weight(w: torch.Tensor, scheme: str, block: tuple[int, int] | None
