@@ -7,7 +7,7 @@ token count and the group capacity (max_loras), never by the live grouping, so a
 any mix of adapters; programs of unused groups or past their group's tokens return at once. The launch policy
 picks the tile: a decode-sized batch (BGMV: few tokens per adapter) takes 16-row tiles, a prefill (SGMV: segments
 of many tokens) 64-row tiles. A decode-sized shrink also splits the reduction over `in` (split-K): one token's
-A is 100s of KB, which one program per adapter would read alone, so SPLIT_K programs each write a partial sum
+A is 100s of KB, which one program per adapter would read alone, so up to 32 programs each write a partial sum
 (s is [T, SPLIT_K, n]) and the expand adds the partials as it loads them: no atomics, no zeroing, deterministic.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ DECODE_MAX_TOKENS = 64  # up to this many tokens a step is decode-like: 16-row t
 
 
 SPLIT_K_CHUNK = 256  # a decode-sized shrink's `in` columns per program
-MAX_SPLIT_K = 64
+MAX_SPLIT_K = 32  # the expand adds up to this many partials per tile it loads
 
 
 @dataclass(frozen=True)

@@ -109,9 +109,9 @@ def test_launch_policy_boundaries():
     assert expand_policy(DECODE_MAX_TOKENS, 4096, 16).block_n == 128
     assert expand_policy(DECODE_MAX_TOKENS + 1, 4096, 16).block_n == 64
     assert expand_policy(1, 8, 16).block_n == 16
-    # split-K for decode-sized shrinks: one program per 256 columns of `in`, up to 64
+    # split-K for decode-sized shrinks: one program per 256 columns of `in`, up to 32
     assert shrink_policy(1, 48, 4096).split_k == 16 and shrink_policy(DECODE_MAX_TOKENS, 48, 4097).split_k == 17
-    assert shrink_policy(1, 48, 12288).split_k == 48 and shrink_policy(1, 48, 65536).split_k == 64
+    assert shrink_policy(1, 48, 8192).split_k == 32 and shrink_policy(1, 48, 12288).split_k == 32
     assert shrink_policy(1, 48, 256).split_k == 1 and shrink_policy(DECODE_MAX_TOKENS + 1, 48, 4096).split_k == 1
 
 
