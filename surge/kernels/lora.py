@@ -13,6 +13,7 @@ A is 100s of KB, which one program per adapter would read alone, so up to 32 pro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -34,6 +35,7 @@ class LoRALaunch:
     split_k: int = 1
 
 
+@lru_cache(maxsize=1024)  # an eager step asks once per layer: the answer is the same for every layer of a shape
 def shrink_policy(num_tokens: int, n: int, k: int) -> LoRALaunch:
     """x [num_tokens, k] times A^T [k, n] (n = slices * rank: 16..192); decode-sized: split-K by 256 columns."""
     block_m = 16 if num_tokens <= DECODE_MAX_TOKENS else 64
@@ -49,6 +51,7 @@ def shrink_buffer(num_tokens: int, n: int, k: int, device: torch.device) -> torc
     return torch.empty(num_tokens, shrink_policy(num_tokens, n, k).split_k, n, dtype=torch.float32, device=device)
 
 
+@lru_cache(maxsize=1024)
 def expand_policy(num_tokens: int, slice_size: int, rank: int) -> LoRALaunch:
     """s [num_tokens, rank] times B^T [rank, slice_size], added into y: the whole rank in one k step."""
     block_m = 16 if num_tokens <= DECODE_MAX_TOKENS else 64

@@ -103,8 +103,12 @@ def test_unloaded_adapter_frees_its_slot_and_reloads_afresh(base_dir, adapters, 
     shutil.copytree(adapters["r8"], path)
     lora = LoRARequest("a", 7, str(path))
     engine.add_request(Request("x", prompts[0], GREEDY, 4, lora_request=lora))
+    stats = engine.get_stats()  # vLLM's lora_requests_info labels
+    assert (stats.waiting_lora_adapters, stats.running_lora_adapters) == (["a"], [])
     assert engine.remove_lora(7)
-    tokens = []
+    tokens = [t for o in engine.step() for t in o.new_token_ids]
+    stats = engine.get_stats()
+    assert (stats.waiting_lora_adapters, stats.running_lora_adapters) == ([], ["a"])
     while engine.has_unfinished_requests():  # its request keeps the adapter until it ends
         tokens += [t for o in engine.step() for t in o.new_token_ids]
         assert 7 in manager.slot_of or not engine.has_unfinished_requests()
