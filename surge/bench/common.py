@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from surge.engine.args import EngineArgs
 from surge.engine.core import EngineCore
 from surge.core.request import Request
+from surge.lora_request import LoRARequest
 from surge.sampling_params import SamplingParams
 
 
@@ -119,12 +120,14 @@ def build_engine(args: argparse.Namespace) -> EngineCore:
 
 
 def run_engine(engine: EngineCore, workload: list[tuple[list[int], int]], desc: str = "surge",
-               show_progress: bool = True) -> dict[str, list[int]]:
-    """Greedy, exactly the requested number of tokens per prompt; returns request id -> output token ids."""
+               show_progress: bool = True, loras: list[LoRARequest | None] | None = None) -> dict[str, list[int]]:
+    """Greedy, exactly the requested number of tokens per prompt (loras: each one's adapter); returns request id ->
+    output token ids."""
     cfg = engine.config
     for i, (prompt, out_len) in enumerate(workload):
         params = SamplingParams(temperature=0, max_tokens=out_len, min_tokens=out_len, ignore_eos=True)
-        engine.add_request(Request(str(i), prompt, params, cfg.cache_config.block_size))
+        engine.add_request(Request(str(i), prompt, params, cfg.cache_config.block_size,
+                                   lora_request=None if loras is None else loras[i]))
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(workload))}
     bar = tqdm(total=len(workload), desc=desc, unit="req", disable=not show_progress)
     while engine.has_unfinished_requests():

@@ -10,6 +10,7 @@ import torch
 
 from surge.bench.common import (ActiveWeights, add_model_args, build_engine, hf_model_for, make_workload, run_engine,
                                 sync_device)
+from surge.bench.lora import add_lora_bench_args, make_lora_bench, resolve_lora_args, warm_up_adapters
 from surge.bench.speculative import add_speculative_args, run_speculative_latency
 
 
@@ -24,6 +25,7 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--breakdown", action="store_true",
                    help="split each decode step into device time (forward, logits + sampling) and host time")
     add_speculative_args(g)  # with --speculative-config: with and without it, in one run
+    add_lora_bench_args(p)  # with --num-lora-adapters: with and without adapters, in one engine
 
 
 def measure_copy_bandwidth(device: torch.device) -> float:
@@ -58,20 +60,24 @@ def measure_gemm_peak(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n ** 3 / best
 
 
-def _timed(engine, workload, repeats: int) -> float:
+def _timed(engine, workload, repeats: int, loras=None) -> float:
     best = float("inf")
     for _ in range(repeats):
         engine.kv_cache_manager.reset_prefix_cache()
         sync_device(engine.config.device)
         start = time.perf_counter()
-        run_engine(engine, workload, show_progress=False)
+        run_engine(engine, workload, show_progress=False, loras=loras)
         sync_device(engine.config.device)
         best = min(best, time.perf_counter() - start)
     return best
 
 
 def run_latency(args: argparse.Namespace) -> None:
+    resolve_lora_args(args)
     if getattr(args, "speculative_config", None) is not None:
+        if getattr(args, "num_lora_adapters", 0):
+            raise ValueError("--num-lora-adapters and --speculative-config: give one of them (each compares the "
+                             "engine with and without it)")
         return run_speculative_latency(args)
     engine = build_engine(args)
     mc, dev = engine.config.model_config, engine.config.device
@@ -92,23 +98,38 @@ def run_latency(args: argparse.Namespace) -> None:
     print(f"model {mc.model} ({params / 1e9:.2f}B params{active}, {weight_bytes / 1e9:.2f} GB, {mc.dtype}, {dev}); "
           f"engine ready in {engine.startup_seconds:.1f} s; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s, "
           f"{mc.dtype} GEMM peak {peak / 1e12:.1f} TFLOP/s", flush=True)
-    run_engine(engine, make_workload(2, 16, 4, 0, mc.vocab_size, 1), show_progress=False)  # warm-up
+    lora = make_lora_bench(engine, args)
+    if lora is not None:  # peer_breadth's: every adapter loaded first, and each batch's workload of seed 0
+        print(f"{lora.describe()}; warm-up loading them {warm_up_adapters(engine, lora, mc.vocab_size):.1f} s",
+              flush=True)
+    else:
+        run_engine(engine, make_workload(2, 16, 4, 0, mc.vocab_size, 1), show_progress=False)  # warm-up
     for bs in (int(b) for b in args.batch_sizes.split(",")):
-        workload = make_workload(bs, args.input_len, args.output_len, 0.0, mc.vocab_size, bs)
-        prefill = _timed(engine, [(p, 1) for p, _ in workload], args.repeats)
-        total = _timed(engine, workload, args.repeats)
-        tpot = (total - prefill) / max(args.output_len - 1, 1)
-        ctx = args.input_len + args.output_len / 2
-        decode_bytes = weights.step_bytes(bs) + bs * ctx * kv_bytes_per_token
-        tokens = bs * args.input_len
-        flops = 2 * dense_params * tokens + 2 * bs * embed
-        flops += 2 * mc.num_layers * mc.hf_config["num_attention_heads"] * mc.head_dim * bs * args.input_len ** 2
-        print(f"batch {bs:4d} in {args.input_len} out {args.output_len}: prefill {prefill * 1e3:8.1f} ms "
-              f"{flops / prefill / 1e12:7.1f} TFLOP/s (MFU {flops / prefill / peak:5.1%}) | decode "
-              f"{tpot * 1e3:7.2f} ms/step {bs / tpot:9.1f} tok/s {decode_bytes / tpot / 1e9:7.0f} GB/s "
-              f"(MBU {decode_bytes / tpot / copy_bw:5.1%})", flush=True)
-        if args.breakdown:
-            _breakdown(engine, workload, tpot)
+        workload = make_workload(bs, args.input_len, args.output_len, 0.0, mc.vocab_size, 0 if lora else bs)
+        cases = [("", None, 0)] if lora is None else [
+            (" base", None, 0), (f" lora{lora.distinct(bs)}", lora.round_robin(bs), lora.distinct(bs))]
+        rates = []
+        for tag, loras, num_adapters in cases:
+            prefill = _timed(engine, [(p, 1) for p, _ in workload], args.repeats, loras)
+            total = _timed(engine, workload, args.repeats, loras)
+            tpot = (total - prefill) / max(args.output_len - 1, 1)
+            rates.append(bs / tpot)
+            ctx = args.input_len + args.output_len / 2
+            adapter_bytes = num_adapters * lora.adapter_bytes if num_adapters else 0
+            decode_bytes = weights.step_bytes(bs) + bs * ctx * kv_bytes_per_token + adapter_bytes
+            tokens = bs * args.input_len
+            flops = 2 * dense_params * tokens + 2 * bs * embed
+            flops += 2 * mc.num_layers * mc.hf_config["num_attention_heads"] * mc.head_dim * bs * args.input_len ** 2
+            read = f", {adapter_bytes / 1e6:.1f} MB of it adapters" if adapter_bytes else ""
+            print(f"batch {bs:4d}{tag} in {args.input_len} out {args.output_len}: prefill {prefill * 1e3:8.1f} ms "
+                  f"{flops / prefill / 1e12:7.1f} TFLOP/s (MFU {flops / prefill / peak:5.1%}) | decode "
+                  f"{tpot * 1e3:7.2f} ms/step {bs / tpot:9.1f} tok/s {decode_bytes / tpot / 1e9:7.0f} GB/s "
+                  f"(MBU {decode_bytes / tpot / copy_bw:5.1%}; {decode_bytes / 1e9:.2f} GB read per step{read})",
+                  flush=True)
+            if args.breakdown and loras is None:
+                _breakdown(engine, workload, tpot)
+        if lora is not None:
+            print(f"batch {bs} ratio{cases[1][0]} / base (decode tok/s): {rates[1] / rates[0]:.3f}", flush=True)
     if args.compare_hf:
         _compare_hf(engine, args)
 

@@ -17,6 +17,7 @@ import torch
 
 from surge.bench.common import (ActiveWeights, add_model_args, build_engine, hf_model_for, make_workload, run_engine,
                                 sync_device)
+from surge.bench.lora import LoRABench, add_lora_bench_args, make_lora_bench, resolve_lora_args, warm_up_adapters
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +42,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    help="stop HF generate_batch (CUDA) after this long and rate it by the output tokens it streamed "
                    "so far, finished or not: its ramp-up is in the window, its thinning tail is not, so the ratio "
                    "errs toward HF")
+    add_lora_bench_args(p)
 
 
 def _report(name: str, seconds: float, out_tokens: int, in_tokens: int, num_requests: int,
@@ -76,6 +78,9 @@ def run_throughput(args: argparse.Namespace) -> None:
     if args.hf_time_limit is not None and not args.hf_time_limit > 0:
         raise ValueError(f"--hf-time-limit={args.hf_time_limit:g} must be > 0 seconds")
     sizes = parse_batch_sizes(args.batch_sizes)
+    resolve_lora_args(args)
+    if getattr(args, "num_lora_adapters", 0) and args.compare_hf:
+        raise ValueError("--compare-hf runs the base model: give it or --num-lora-adapters, not both")
     engine = build_engine(args)
     mc = engine.config.model_config
     workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, mc.vocab_size,
@@ -88,6 +93,13 @@ def run_throughput(args: argparse.Namespace) -> None:
     print(f"model {mc.model} ({mc.architecture}, {weights.params / 1e9:.2f}B params{active}, {mc.dtype}, "
           f"{engine.config.device}{threads}); {len(workload)} prompts, {in_tokens} input and {out_tokens} output "
           f"tokens; engine ready in {engine.startup_seconds:.1f} s", flush=True)
+    lora = make_lora_bench(engine, args)
+    if lora is not None:
+        print(f"{lora.describe()}; warm-up loading them {warm_up_adapters(engine, lora, mc.vocab_size):.1f} s",
+              flush=True)
+        for size in sizes:
+            _lora_throughput(engine, workload, size, lora, args.repeats, num_params, weights.nbytes)
+        return
     hf = hf_model_for(engine) if args.compare_hf else None  # the engine takes HF's weights: same model
     run_engine(engine, [(p[:8], 2) for p, _ in workload[:2]], show_progress=False)  # warm-up
     for size in sizes:
@@ -118,14 +130,41 @@ def run_throughput(args: argparse.Namespace) -> None:
               f"to HF: {same}/{len(finished)}", flush=True)
 
 
-def _run_surge(engine, workload, size: int | None) -> tuple[float, list[list[int]]]:
-    """Seconds and output tokens of the workload, in waves of `size` requests (all at once for None)."""
+def _lora_throughput(engine, workload, size: int | None, lora: LoRABench, repeats: int, num_params: float,
+                     weight_bytes: int) -> None:
+    """The workload without adapters and round-robin over them, in turn, best of `repeats` each; the ratio."""
+    in_tokens, out_tokens = sum(len(p) for p, _ in workload), sum(o for _, o in workload)
+    label = "" if size is None else f" (batch {size})"
+    tag = f"lora{len(lora.requests)}"
+    loras = lora.round_robin(len(workload))
+    best = {"base": float("inf"), tag: float("inf")}
+    outputs = {}
+    for _ in range(repeats):
+        for name in best:
+            seconds, outputs[name] = _run_surge(engine, workload, size, None if name == "base" else loras)
+            best[name] = min(best[name], seconds)
+    rates = {name: _report(f"surge {name}{label}", seconds, out_tokens, in_tokens, len(workload), num_params)
+             for name, seconds in best.items()}
+    k = lora.distinct(size or len(workload))
+    extra = k * lora.adapter_bytes
+    print(f"ratio {tag} / base{label}: {rates[tag] / rates['base']:.3f} output tok/s; a full step reads {k} "
+          f"adapter(s), {extra / 1e6:.1f} MB more than the {weight_bytes / 1e9:.2f} GB of weights "
+          f"(+{extra / weight_bytes:.1%}); outputs that differ from the base model's: "
+          f"{sum(a != b for a, b in zip(outputs['base'], outputs[tag]))}/{len(workload)}", flush=True)
+
+
+def _run_surge(engine, workload, size: int | None, loras=None) -> tuple[float, list[list[int]]]:
+    """Seconds and output tokens of the workload, in waves of `size` requests (all at once for None); loras: each
+    request's adapter."""
     engine.kv_cache_manager.reset_prefix_cache()  # a repeat must not hit the prompts of the run before
     sync_device(engine.config.device)
     outputs: list[list[int]] = []
     start = time.perf_counter()
+    first = 0
     for wave in _waves(workload, size):
-        done = run_engine(engine, wave, show_progress=size is None)
+        done = run_engine(engine, wave, show_progress=size is None,
+                          loras=None if loras is None else loras[first:first + len(wave)])
+        first += len(wave)
         outputs.extend(done[str(i)] for i in range(len(wave)))
     sync_device(engine.config.device)
     return time.perf_counter() - start, outputs

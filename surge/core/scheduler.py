@@ -51,6 +51,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        self._removed_loras: list[int] = []  # unloaded adapters, for the runners once no request uses them
         # Request id -> how many of its tokens the model runner holds (it holds every request it was sent until
         # told the request finished); the KV cache manager tracks the block tables' changes likewise.
         self._runner_tokens: dict[str, int] = {}
@@ -182,9 +183,23 @@ class Scheduler:
             req.spec_token_ids = []  # proposed anew after the verdict
         if out.scheduled or self.has_connector_work():  # an output that is not executed would lose them
             out.finished_ids, self._finished_ids = self._finished_ids, []
+            if self._removed_loras:
+                out.removed_lora_ids = self._take_removed_loras()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """The server unloaded this adapter: the runners free its slot and host copy once no request uses it (one
+        still running keeps it until it finishes)."""
+        if lora_int_id not in self._removed_loras:
+            self._removed_loras.append(lora_int_id)
+
+    def _take_removed_loras(self) -> list[int]:
+        in_use = {r.lora_request.lora_int_id for r in self.requests.values() if r.lora_request is not None}
+        free = [i for i in self._removed_loras if i not in in_use]
+        self._removed_loras = [i for i in self._removed_loras if i in in_use]
+        return free
 
     def _running_adapters(self) -> set[int]:
         return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}

@@ -68,6 +68,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     preempted_ids: list[str] = []
     # Requests finished since the last non-empty step: the runner drops their state.
     finished_ids: list[str] = []
+    # LoRA adapters unloaded by the server that no request uses any more: the runners free their slots.
+    removed_lora_ids: list[int] = []
     grammar_bitmask: GrammarBitmask | None = None  # structured output: applied to the logits before sampling
     kv_connector_metadata: bytes = b""  # the KV connector's instructions to its worker half (its own encoding)
     shutdown: bool = False  # executors of worker processes: the ranks stop

@@ -134,7 +134,7 @@ class AsyncLLM:
             await self.core.send(AbortRequests(child_ids))
 
     # ---- utilities ----
-    async def call_utility(self, method: str, timeout: float = 60.0):
+    async def call_utility(self, method: str, *args, timeout: float = 60.0):
         if self.core.dead_error is not None:
             raise self.core.dead_error
         self._start_output_handler()
@@ -142,7 +142,7 @@ class AsyncLLM:
         future = asyncio.get_running_loop().create_future()
         self._utility_futures[call_id] = future
         try:
-            await self.core.send(UtilityCall(call_id, method))
+            await self.core.send(UtilityCall(call_id, method, list(args)))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._utility_futures.pop(call_id, None)
@@ -152,6 +152,10 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.call_utility("reset_prefix_cache"))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """The adapter was unloaded: the workers free its slot (EngineCore.remove_lora)."""
+        return bool(await self.call_utility("remove_lora", lora_int_id))
 
     # ---- output handling ----
     def _start_output_handler(self) -> None:

@@ -158,6 +158,14 @@ class EngineCore:
             self.scheduler.finish_request(rid, status)
         self.structured_output.remove(request_ids)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (the server unloaded it): the workers free its slot before their next step that no
+        longer needs it, so a later load, under any name, reads its files afresh."""
+        if self.config.lora_config is None:
+            return False
+        self.scheduler.remove_lora(lora_int_id)
+        return True
+
     def shutdown(self) -> None:
         """Stop worker ranks, if any (also done at exit, or when the engine is collected), and the connector; give
         the engine's objects back to the garbage collector."""

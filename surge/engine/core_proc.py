@@ -35,6 +35,7 @@ _PARENT_CHECK_MS = 1000
 UTILITY_METHODS: dict[str, Callable] = {
     "get_stats": lambda engine: engine.get_stats(),
     "reset_prefix_cache": lambda engine: engine.kv_cache_manager.reset_prefix_cache(),
+    "remove_lora": lambda engine, lora_int_id: engine.remove_lora(lora_int_id),
 }
 
 
@@ -112,7 +113,7 @@ class EngineCoreProc:
                                                                               f"known: {sorted(UTILITY_METHODS)}"))
             else:
                 try:
-                    self._utility_results.append(UtilityResult(msg.call_id, result=method(self.engine)))
+                    self._utility_results.append(UtilityResult(msg.call_id, result=method(self.engine, *msg.args)))
                 except Exception as e:
                     self._utility_results.append(UtilityResult(msg.call_id, error=f"{type(e).__name__}: {e}"))
         elif isinstance(msg, Shutdown):

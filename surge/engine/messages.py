@@ -35,6 +35,7 @@ class StopRequests(msgspec.Struct, tag="stop", array_like=True):
 class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
     call_id: int
     method: str  # one of core_proc.UTILITY_METHODS
+    args: list[Any] = []
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):

@@ -28,6 +28,8 @@ from surge.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, 
 from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams
 
+LoRAs = LoRARequest | Sequence[LoRARequest | None] | None  # one adapter for every prompt, or one per prompt
+
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", **engine_kwargs) -> None:
@@ -46,7 +48,7 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRAs = None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, {"prompt": ...} / {"prompt_token_ids": ...}, or a list of these;
         a multimodal model takes {"prompt": ..., "multi_modal_data": {"image": PIL image or list}}, the prompt with
         the model's image placeholder where each image goes. lora_request: the adapter of every prompt, or one per
@@ -67,7 +69,7 @@ class LLM:
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             use_tqdm: bool = True, lora_request: LoRAs = None,
              add_generation_prompt: bool = True, chat_template: str | None = None,
              **template_kwargs) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations. Content may be
@@ -82,30 +84,33 @@ class LLM:
     # ---- pooling (runner="pooling") ----
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
-        """The model's pooled output of each prompt (pooling_task: embed, classify; default: the model's own)."""
+               pooling_task: str | None = None, lora_request: LoRAs = None) -> list[PoolingRequestOutput]:
+        """The model's pooled output of each prompt (pooling_task: embed, classify; default: the model's own).
+        lora_request: as generate's, the adapter applied to the model's layers (its head stays the base's)."""
         mc = self.config.model_config
         task = pooling_task or ("classify" if mc.is_cross_encoder else "embed")
         check_pooling_task(mc, task, "LLM.encode")
-        return self._pool(_prompt_list(prompts), pooling_params, task, truncate_prompt_tokens, use_tqdm)
+        return self._pool(_prompt_list(prompts), pooling_params, task, truncate_prompt_tokens, use_tqdm, lora_request)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True, pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True, pooling_params: PoolingParams | None = None,
+              lora_request: LoRAs = None) -> list[EmbeddingRequestOutput]:
         check_pooling_task(self.config.model_config, "embed", "LLM.embed")
         prompts = [self._embed_prompt + p if isinstance(p, str) else p for p in _prompt_list(prompts)]
-        outs = self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+        outs = self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, lora_request)
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
     def classify(self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None,
-                 use_tqdm: bool = True, pooling_params: PoolingParams | None = None
+                 use_tqdm: bool = True, pooling_params: PoolingParams | None = None, lora_request: LoRAs = None
                  ) -> list[ClassificationRequestOutput]:
         check_pooling_task(self.config.model_config, "classify", "LLM.classify")
-        outs = self._pool(_prompt_list(prompts), pooling_params, "classify", truncate_prompt_tokens, use_tqdm)
+        outs = self._pool(_prompt_list(prompts), pooling_params, "classify", truncate_prompt_tokens, use_tqdm,
+                          lora_request)
         return [ClassificationRequestOutput.from_base(o) for o in outs]
 
     def score(self, data_1: str | list[int] | Sequence, data_2: str | list[int] | Sequence, /, *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+              pooling_params: PoolingParams | None = None, lora_request: LoRAs = None) -> list[ScoringRequestOutput]:
         """data_1 against each of data_2 (or pairwise when both are lists of one length). A cross-encoder scores
         each pair together (its classifier, as the model defines it); an embedding model by the cosine of the two
         embeddings."""
@@ -114,12 +119,12 @@ class LLM:
         pairs = score_pairs(_prompt_list(data_1), _prompt_list(data_2))
         if mc.is_cross_encoder:
             prompts = [{"prompt_token_ids": pair_token_ids(self.tokenizer, a, b)} for a, b in pairs]
-            outs = self._pool(prompts, pooling_params, "score", truncate_prompt_tokens, use_tqdm)
+            outs = self._pool(prompts, pooling_params, "score", truncate_prompt_tokens, use_tqdm, lora_request)
             return [ScoringRequestOutput.from_base(o) for o in outs]
         firsts = self.embed([a for a, _ in pairs], truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                            pooling_params=pooling_params)
+                            pooling_params=pooling_params, lora_request=lora_request)
         seconds = self.embed([b for _, b in pairs], truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                             pooling_params=pooling_params)
+                             pooling_params=pooling_params, lora_request=lora_request)
         outs = []
         for a, b in zip(firsts, seconds):
             cosine = F.cosine_similarity(torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding), dim=0)
@@ -143,16 +148,18 @@ class LLM:
 
     # ---- internals ----
     def _pool(self, prompts: list[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams] | None, task: str,
-              truncate_prompt_tokens: int | None, use_tqdm: bool) -> list[PoolingRequestOutput]:
+              truncate_prompt_tokens: int | None, use_tqdm: bool, lora_request: LoRAs = None
+              ) -> list[PoolingRequestOutput]:
         mc = self.config.model_config
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_params = [pooling_params] * len(prompts)
         pooling_params = list(pooling_params)
         if len(pooling_params) != len(prompts):
             raise ValueError(f"pooling_params has {len(pooling_params)} entries but there are {len(prompts)} prompts")
+        loras = self._loras_per_prompt(lora_request, len(prompts))
         request_ids = []
         try:
-            for prompt, params in zip(prompts, pooling_params):
+            for prompt, params, lora in zip(prompts, pooling_params, loras):
                 if params is not None and not isinstance(params, PoolingParams):
                     raise ValueError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
                 params = pooling_params_for(mc, params, task)
@@ -162,7 +169,8 @@ class LLM:
                 token_ids = fit_prompt(token_ids, params, self.config.scheduler_config.max_model_len)
                 request_id = str(next(self._ids))
                 self.engine.add_request(Request(request_id, token_ids, PROMPT_ONLY,
-                                                self.config.cache_config.block_size, pooling_params=params))
+                                                self.config.cache_config.block_size, pooling_params=params,
+                                                lora_request=lora))
                 self.output_processor.add_request(request_id, text, token_ids, [(request_id, PROMPT_ONLY)],
                                                   pooling=True)
                 request_ids.append(request_id)

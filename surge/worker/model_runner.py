@@ -272,6 +272,9 @@ class ModelRunner:
             self.encoder_cache.drop_requests(out.finished_ids)
         if self.ngram is not None:
             self.ngram.remove(out.finished_ids)
+        if self.lora is not None:
+            for lora_id in out.removed_lora_ids:
+                self.lora.remove(lora_id)
         pending = PendingOutput()
         connector = self.kv_connector
         if connector is not None:

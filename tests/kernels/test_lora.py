@@ -1,6 +1,6 @@
 """Triton LoRA shrink/expand against the torch path of the same layer (surge/model/layers/lora.py) and a plain
 per-token reference: merged slices of unequal sizes, tokens of several adapters and of none, ranks up to 64, at the
-launch policy's boundaries (decode-sized 64 / 65 tokens, n and slice tiles), float32 and bfloat16."""
+launch policy's boundaries (decode-sized 64 / 65 tokens, n and slice tiles, split-K), float32 and bfloat16."""
 from __future__ import annotations
 
 import numpy as np
@@ -40,6 +40,9 @@ def _reference(layer, x, token_slot):
     (64, 48, [(0, 40), (40, 40)], 16),  # the largest decode-sized step; in and slices not tile multiples
     (65, 64, [(0, 80)], 64),  # the smallest prefill-sized step; rank 64
     (130, 96, [(0, 24), (24, 136)], 32),  # several 64-row tiles; a slice wider than its tile
+    (3, 512, [(0, 32), (32, 16)], 16),  # decode-sized split-K: 2 splits of 256 columns
+    (64, 700, [(0, 48)], 8),  # 3 splits, the last one short and not a multiple of the k tile
+    (65, 700, [(0, 48)], 8),  # prefill-sized: no split
 ])
 def test_kernels_match_torch(num_tokens, in_features, slices, rank, dtype, device, request):
     if dtype == torch.bfloat16:
@@ -72,13 +75,22 @@ def test_kernels_match_torch(num_tokens, in_features, slices, rank, dtype, devic
     assert torch.equal(y_kernel[base_rows.to(device)], base[base_rows.to(device)])  # slot -1: untouched
 
 
-def test_unused_groups_and_padding_tokens_are_skipped(device):
-    """A step with no adapter launches the same grid (a CUDA graph replays it) and changes nothing."""
+def test_unused_groups_and_padding_tokens_are_skipped(device, monkeypatch):
+    """A graph captured with the kernels replays them in a step with no adapter: the same grid changes nothing.
+    Eagerly, such a step launches nothing."""
+    from surge.kernels import lora as kernels
+
     layer = _layer(32, [(0, 16)], 2, 16, torch.float32, device)
-    layer.mapping = LoRAMapping(64, 2, device, use_kernels=True)
-    layer.mapping.set_tokens(np.full(20, -1))
+    m = layer.mapping = LoRAMapping(64, 2, device, use_kernels=True)
+    m.set_tokens(np.full(20, -1))
     x, y = torch.randn(20, 32, device=device), torch.randn(20, 16, device=device)
     out = y.clone()
+    s = kernels.shrink_buffer(20, 16, 32, device)
+    kernels.lora_shrink(x, layer.a, s, m.sorted_tokens, m.slot_ids, m.group_start, m.group_len)
+    kernels.lora_expand(s, layer.b, out, layer.slice_offsets, layer.max_slice, m.sorted_tokens, m.slot_ids,
+                        m.group_start, m.group_len)
+    assert torch.equal(out, y)
+    monkeypatch.setattr(kernels, "lora_shrink", lambda *a: pytest.fail("launched for a step with no adapter"))
     layer.add_(out, x)
     assert torch.equal(out, y)
 
@@ -97,6 +109,10 @@ def test_launch_policy_boundaries():
     assert expand_policy(DECODE_MAX_TOKENS, 4096, 16).block_n == 128
     assert expand_policy(DECODE_MAX_TOKENS + 1, 4096, 16).block_n == 64
     assert expand_policy(1, 8, 16).block_n == 16
+    # split-K for decode-sized shrinks: one program per 256 columns of `in`, up to 32
+    assert shrink_policy(1, 48, 4096).split_k == 16 and shrink_policy(DECODE_MAX_TOKENS, 48, 4097).split_k == 17
+    assert shrink_policy(1, 48, 8192).split_k == 32 and shrink_policy(1, 48, 12288).split_k == 32
+    assert shrink_policy(1, 48, 256).split_k == 1 and shrink_policy(DECODE_MAX_TOKENS + 1, 48, 4096).split_k == 1
 
 
 def test_warm_up_compiles_without_touching_the_step_mapping(device):

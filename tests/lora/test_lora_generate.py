@@ -5,6 +5,7 @@ adapters; bad adapters are refused by name."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -67,11 +68,15 @@ def _mixed_batch(prompts, names, requests):
     dict(max_loras=3, num_gpu_blocks_override=17, max_num_seqs=16),  # preemption
     dict(max_loras=3, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                           "prompt_lookup_min": 1}),  # drafts verified under each adapter
+    # drafts of the base model itself (no adapter: a draft only proposes), verified under each request's adapter
+    dict(max_loras=3, speculative_config={"method": "draft_model", "model": "BASE", "num_speculative_tokens": 3}),
     dict(max_loras=2, tensor_parallel_size=2),  # A and B sharded as the base layers
-], ids=["all", "swap", "chunked", "preempt", "ngram", "tp2"])
+], ids=["all", "swap", "chunked", "preempt", "ngram", "draft", "tp2"])
 def test_mixed_batch_matches_hf_merged(base_dir, adapters, expected, engine):
     prompts, reference = expected
     requests = _requests(adapters)
+    if engine.get("speculative_config", {}).get("model") == "BASE":
+        engine = {**engine, "speculative_config": {**engine["speculative_config"], "model": str(base_dir)}}
     llm = LLM(base_dir, enable_lora=True, max_lora_rank=16, block_size=4, max_model_len=64,
               kv_cache_memory=1 << 22, **engine)
     rows, batch, loras = _mixed_batch(prompts, [None, *adapters], requests)
@@ -83,6 +88,40 @@ def test_mixed_batch_matches_hf_merged(base_dir, adapters, expected, engine):
     if "speculative_config" in engine:
         stats = llm.engine.scheduler.spec_stats
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+
+
+def test_unloaded_adapter_frees_its_slot_and_reloads_afresh(base_dir, adapters, expected, tmp_path):
+    """EngineCore.remove_lora (the server's unload): the runner drops the adapter's slot and host copy at the next
+    step no request of it is in, so the same name and id then read new files."""
+    from surge.core.request import Request
+
+    prompts, reference = expected
+    llm = LLM(base_dir, enable_lora=True, max_loras=2, max_lora_rank=16, block_size=4, max_model_len=64,
+              kv_cache_memory=1 << 22)
+    engine, manager = llm.engine, llm.engine.executor.runner.lora
+    path = tmp_path / "a"
+    shutil.copytree(adapters["r8"], path)
+    lora = LoRARequest("a", 7, str(path))
+    engine.add_request(Request("x", prompts[0], GREEDY, 4, lora_request=lora))
+    stats = engine.get_stats()  # vLLM's lora_requests_info labels
+    assert (stats.waiting_lora_adapters, stats.running_lora_adapters) == (["a"], [])
+    assert engine.remove_lora(7)
+    tokens = [t for o in engine.step() for t in o.new_token_ids]
+    stats = engine.get_stats()
+    assert (stats.waiting_lora_adapters, stats.running_lora_adapters) == ([], ["a"])
+    while engine.has_unfinished_requests():  # its request keeps the adapter until it ends
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+        assert 7 in manager.slot_of or not engine.has_unfinished_requests()
+    assert tokens == reference["r8"][0]
+    assert 7 in manager.slot_of and 7 in manager.loaded
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # the next step frees it
+    assert 7 not in manager.slot_of and 7 not in manager.loaded and len(manager.free_slots) == 2
+    shutil.rmtree(path)
+    shutil.copytree(adapters["r4-rslora"], path)  # new weights under the same name and id
+    # The prefix cache keys blocks by (name, id): the server gives a reloaded adapter a new id; here the cache goes.
+    llm.reset_prefix_cache()
+    out = llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=lora)[0]
+    assert out.outputs[0].token_ids == reference["r4-rslora"][0]
 
 
 def test_one_adapter_for_every_prompt_and_chat(base_dir, adapters, expected):

@@ -111,6 +111,11 @@ def test_load_and_unload_at_runtime(server, tiny_model_dir, adapters):
         _complete(client, "late")
     gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert gone.status_code == 404 and "cannot be found" in gone.json()["error"]["message"]
+    # the name again, other weights: the engine freed the old slot, and the new adapter is what runs
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(adapters["attn"])})
+    assert r.status_code == 200, r.text
+    assert _complete(client, "late") == _expected(tiny_model_dir, adapters["attn"])
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
 
 
 def test_runtime_updates_need_the_flag(tiny_server):

@@ -111,4 +111,5 @@ class LoRAHandler:
             raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
                            code="model_not_found")
         self.serving.engine.adapters.forget(lora)
+        await self.serving.engine.remove_lora(lora.lora_int_id)  # the workers free its slot
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -46,7 +46,7 @@ class PoolingHandler:
         params = self._params("embed", dimensions=req.dimensions, normalize=req.normalize,
                               truncate_prompt_tokens=req.truncate_prompt_tokens)
         prompts = self._inputs(req.input, "input", self.embed_prompt, req.add_special_tokens)
-        outs = await self._run(http, prompts, params, "input", "embd-")
+        outs = await self._run(http, prompts, params, "input", "embd-", model)
         data = [EmbeddingData(i, _encode_embedding(o.outputs.data, req.encoding_format)) for i, o in enumerate(outs)]
         return _json(EmbeddingResponse(random_id("embd-"), now(), model, data, _usage(outs)))
 
@@ -54,7 +54,7 @@ class PoolingHandler:
         model = self._check(req.model, "classify", "/classify")
         params = self._params("classify", truncate_prompt_tokens=req.truncate_prompt_tokens)
         outs = await self._run(http, self._inputs(req.input, "input", "", req.add_special_tokens), params, "input",
-                               "classify-")
+                               "classify-", model)
         labels = self.model_config.hf_config.get("id2label") or {}
         data = []
         for i, o in enumerate(outs):
@@ -71,7 +71,7 @@ class PoolingHandler:
             pairs = score_pairs(firsts, seconds)
         except ValueError as e:
             raise bad_request(str(e), param="text_2") from None
-        scores, outs = await self._scores(http, pairs, req.truncate_prompt_tokens)
+        scores, outs = await self._scores(http, pairs, req.truncate_prompt_tokens, model)
         data = [ScoreData(i, s) for i, s in enumerate(scores)]
         return _json(ScoreResponse(random_id("score-"), now(), model, data, _usage(outs)))
 
@@ -81,7 +81,8 @@ class PoolingHandler:
             raise bad_request("documents is empty: give at least one document", param="documents")
         if req.top_n is not None and req.top_n < 0:
             raise bad_request(f"top_n={req.top_n} is invalid: must be >= 0 (0: every document)", param="top_n")
-        scores, outs = await self._scores(http, [(req.query, d) for d in req.documents], req.truncate_prompt_tokens)
+        scores, outs = await self._scores(http, [(req.query, d) for d in req.documents], req.truncate_prompt_tokens,
+                                          model)
         order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)[:req.top_n or None]
         results = [RerankResult(i, scores[i], RerankDocument(req.documents[i]) if req.return_documents else None)
                    for i in order]
@@ -136,7 +137,8 @@ class PoolingHandler:
         return items
 
     async def _run(self, http: HTTPRequest, prompts: list[list[int]], params: PoolingParams, param: str,
-                   prefix: str) -> list[PoolingRequestOutput]:
+                   prefix: str, model: str) -> list[PoolingRequestOutput]:
+        """Each prompt pooled, with the adapter `model` names (if it names one)."""
         max_len = self.serving.max_model_len
         requests = []
         for i, ids in enumerate(prompts):
@@ -145,20 +147,22 @@ class PoolingHandler:
             except ValueError as e:
                 where = param if len(prompts) == 1 else f"{param}[{i}]"
                 raise bad_request(f"{where}: {e}", param=param, code="context_length_exceeded") from None
-        return await self.serving.run_to_end(http, requests, random_id(prefix))
+        return await self.serving.run_to_end(http, requests, random_id(prefix),
+                                             lora_request=self.serving.lora_request(model))
 
-    async def _scores(self, http: HTTPRequest, pairs: list[tuple[str, str]], truncate: int | None
+    async def _scores(self, http: HTTPRequest, pairs: list[tuple[str, str]], truncate: int | None, model: str
                       ) -> tuple[list[float], list[PoolingRequestOutput]]:
         """A cross-encoder scores each pair together; an embedding model by the cosine of the two embeddings."""
         if self.model_config.is_cross_encoder:
             params = self._params("score", truncate_prompt_tokens=truncate)
             tokenizer = self.serving.tokenizer
             outs = await self._run(http, [pair_token_ids(tokenizer, a, b) for a, b in pairs], params, "text_2",
-                                   "score-")
+                                   "score-", model)
             return [float(o.outputs.data.item()) for o in outs], outs
         params = self._params("embed", truncate_prompt_tokens=truncate)
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each text embedded once
-        outs = await self._run(http, self._inputs(texts, "text_1", self.embed_prompt), params, "text_2", "score-")
+        outs = await self._run(http, self._inputs(texts, "text_1", self.embed_prompt), params, "text_2", "score-",
+                               model)
         emb = {t: o.outputs.data for t, o in zip(texts, outs)}
         scores = [F.cosine_similarity(emb[a], emb[b], dim=0).item() for a, b in pairs]
         return scores, outs

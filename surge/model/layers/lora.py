@@ -39,6 +39,7 @@ class LoRAMapping:
         self.groups_t = torch.zeros(3, max_loras, dtype=torch.int32, device=device)
         self.groups_t[0].fill_(-1)
         self.slot_ids, self.group_start, self.group_len = self.groups_t.unbind(0)
+        self.num_groups = 0  # adapters in the step (0: nothing to add)
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # host: (slot, token indices; None: every token)
         self._staging = [None, None]  # host buffers (pinned on CUDA), used in turn: a copy may still read the other
         self._turn = 0
@@ -52,6 +53,7 @@ class LoRAMapping:
         """Each token's slot (-1: none)."""
         order, slots, starts, counts = group_by_slot(token_slot)
         assert len(slots) <= self.max_loras, (slots, self.max_loras)
+        self.num_groups = len(slots)
         if not self.use_kernels:
             self.groups = [(int(s), None if c == len(token_slot)
                             else torch.from_numpy(order[b:b + c]).to(self.device))
@@ -69,9 +71,8 @@ class LoRAMapping:
         packed[:m] = -1
         packed[:len(slots)], packed[m:m + len(slots)], packed[2 * m:2 * m + len(slots)] = slots, starts, counts
         packed[3 * m:] = order
-        dev = staging[:size].to(self.device, non_blocking=True)
-        self.groups_t.view(-1).copy_(dev[:3 * m])
-        self.sorted_tokens[:len(order)].copy_(dev[3 * m:])
+        self.groups_t.view(-1).copy_(staging[:3 * m], non_blocking=True)
+        self.sorted_tokens[:len(order)].copy_(staging[3 * m:size], non_blocking=True)
 
 
 class LinearLoRA:
@@ -104,13 +105,13 @@ class LinearLoRA:
     def warm_up(self, num_tokens: int, dtype: torch.dtype) -> None:
         """Compile the kernels for this layer's shapes at num_tokens' launch policy, over a mapping of its own with
         no adapter (the step's may be in use: under background graph capture the engine serves meanwhile)."""
-        from surge.kernels.lora import lora_expand, lora_shrink
+        from surge.kernels.lora import lora_expand, lora_shrink, shrink_buffer
 
         m = LoRAMapping(1, self.mapping.max_loras, self.mapping.device, use_kernels=True)
         device = self.a.device
         x = torch.zeros(num_tokens, self.a.shape[2], dtype=dtype, device=device)
         y = torch.zeros(num_tokens, self.b.shape[1], dtype=dtype, device=device)
-        s = torch.empty(num_tokens, self.a.shape[1], dtype=torch.float32, device=device)
+        s = shrink_buffer(num_tokens, self.a.shape[1], self.a.shape[2], device)
         lora_shrink(x, self.a, s, m.sorted_tokens, m.slot_ids, m.group_start, m.group_len)
         lora_expand(s, self.b, y, self.slice_offsets, self.max_slice, m.sorted_tokens, m.slot_ids, m.group_start,
                     m.group_len)
@@ -118,10 +119,12 @@ class LinearLoRA:
     def add_(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y += this step's adapters' deltas, token by token."""
         m = self.mapping
+        if not m.num_groups and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return  # no adapter in this step, and no graph recording the launches for steps that have some
         if m.use_kernels:
-            from surge.kernels.lora import lora_expand, lora_shrink  # Triton: CUDA (or its interpreter, in tests)
+            from surge.kernels.lora import lora_expand, lora_shrink, shrink_buffer  # Triton (CUDA, or interpreted)
 
-            s = torch.empty(x.shape[0], self.a.shape[1], dtype=torch.float32, device=x.device)
+            s = shrink_buffer(x.shape[0], self.a.shape[1], self.a.shape[2], x.device)
             lora_shrink(x, self.a, s, m.sorted_tokens, m.slot_ids, m.group_start, m.group_len)
             lora_expand(s, self.b, y, self.slice_offsets, self.max_slice, m.sorted_tokens, m.slot_ids,
                         m.group_start, m.group_len)
