@@ -526,6 +526,46 @@ def check_quant(batches: tuple[int, ...] = (1, 16, 256, 4096),
                    nbytes=m * k * 3)
 
 
+def check_fused_quant(batches: tuple[int, ...] = (1, 16, 256, 4096)) -> None:
+    """The activation quantization fused into its producer, as the fp8 model runs it before qkv / gate_up
+    (fused_add_rms_norm_fp8) and before down (silu_and_mul_fp8), per token and per 1 x 128 group, beside the two
+    launches each replaces. GB/s over the bytes read and written (x, residual in, residual, q and scales out;
+    gate_up in, q and scales out); err counts q bytes and scales unlike the torch reference's."""
+    from surge.kernels import quant_reference as qref
+    from surge.kernels.activation import silu_and_mul, silu_and_mul_fp8
+    from surge.kernels.fp8_quant import per_token_group_quant_fp8, scaled_fp8_quant_per_token
+    from surge.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_fp8
+
+    def mismatches(got, expected) -> float:
+        return float((got[0].view(torch.uint8) != expected[0].view(torch.uint8)).sum() + (got[1] != expected[1]).sum())
+
+    weight = torch.randn(HIDDEN, device="cuda", dtype=DTYPE)
+    for m in batches:
+        x, residual = torch.randn(2, m, HIDDEN, device="cuda", dtype=DTYPE)
+        gate_up = torch.randn(m, 2 * INTERMEDIATE, device="cuda", dtype=DTYPE)
+        for group, what in ((None, "per-token"), (128, "per-group 128")):
+            def quant(y, group=group):
+                return scaled_fp8_quant_per_token(y) if group is None else per_token_group_quant_fp8(y, group)
+
+            def reference(y, group=group):
+                return qref.fp8_quant_per_token(y) if group is None else qref.fp8_quant_per_token_group(y, group)
+
+            scales = m * 4 * (1 if group is None else HIDDEN // group)
+            q, scale, _ = fused_add_rms_norm_fp8(x, residual, weight, 1e-6, group)
+            unfused = bench(lambda: quant(fused_add_rms_norm(x, residual, weight, 1e-6)[0]))
+            report(f"fused_add_rms_norm_fp8 {what} T={m}",
+                   bench(lambda: fused_add_rms_norm_fp8(x, residual, weight, 1e-6, group)),
+                   nbytes=m * HIDDEN * (3 * 2 + 1) + scales, tol=0.0,
+                   err=mismatches((q, scale), reference(fused_add_rms_norm(x, residual, weight, 1e-6)[0])),
+                   extra=f"norm + quant {unfused * 1e6:.1f} us")
+            scales = m * 4 * (1 if group is None else INTERMEDIATE // group)
+            unfused = bench(lambda: quant(silu_and_mul(gate_up)))
+            report(f"silu_and_mul_fp8 {what} T={m}", bench(lambda: silu_and_mul_fp8(gate_up, group)),
+                   nbytes=m * INTERMEDIATE * (2 * 2 + 1) + scales, tol=0.0,
+                   err=mismatches(silu_and_mul_fp8(gate_up, group), reference(silu_and_mul(gate_up))),
+                   extra=f"silu_and_mul + quant {unfused * 1e6:.1f} us")
+
+
 def check_moe_quant(batches: tuple[int, ...] = (1, 64, 2048), experts: int = 128, top_k: int = 8, hidden: int = 2048,
                     inter: int = 768) -> None:
     """Qwen3-30B-A3B's experts (128, top 8, hidden 2048, intermediate 768) as fp8 128x128 blocks and as MXFP4,
@@ -673,6 +713,7 @@ def main() -> None:
         check_moe()
     if args.only in (None, "quant"):
         check_quant((1, 16, 4096) if args.quick else (1, 16, 256, 4096))
+        check_fused_quant((1, 64, 4096) if args.quick else (1, 16, 64, 256, 4096))
         check_moe_quant()
     if args.only in (None, "gemv"):
         check_gemv()

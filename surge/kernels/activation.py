@@ -21,10 +21,24 @@ class ActivationLaunch:
     num_warps: int
 
 
+MAX_ROW_TILE = 16384  # per-token fp8: outputs of a row held in registers at once (32 per thread at 16 warps)
+
+
 def launch_policy(d: int) -> ActivationLaunch:
     """Tiles of up to 1024 outputs per program (8 per thread at 4 warps); smaller rows take one smaller tile."""
     block = min(1024, triton.next_power_of_2(d))
     return ActivationLaunch(block, num_warps=max(1, min(4, block // 256)))
+
+
+def per_token_fp8_launch(d: int) -> ActivationLaunch:
+    """silu_and_mul_fp8 per token: one program per row, which needs the row's amax before it quantizes. A row of up
+    to MAX_ROW_TILE outputs is one tile, read once and kept in registers (Qwen3-8B's 12288: 16 warps); a longer row
+    takes launch_policy's tiles twice (the amax, then the product recomputed), a serial walk that at decode's few
+    rows would leave the device idle."""
+    if d > MAX_ROW_TILE:
+        return launch_policy(d)
+    block = triton.next_power_of_2(max(d, 16))
+    return ActivationLaunch(block, num_warps=max(1, min(16, block // 1024)))
 
 
 @triton.jit
@@ -48,12 +62,21 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, d, BLOCK: tl.constexpr):
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, d, stride_sm, stride_sg, QMAX: tl.constexpr,
                              MIN_SCALE: tl.constexpr, PER_TOKEN: tl.constexpr, GROUP: tl.constexpr,
-                             BLOCK: tl.constexpr):
-    """Per token: one program per row, two passes (the row's amax, then the product recomputed and quantized).
-    Per group: programs of (row, BLOCK columns: BLOCK / GROUP whole groups)."""
+                             BLOCK: tl.constexpr, ONE_TILE: tl.constexpr):
+    """Per token: one program per row, the row one tile in registers (ONE_TILE: BLOCK >= d) or two passes over its
+    tiles (the row's amax, then the product recomputed and quantized). Per group: programs of (row, BLOCK columns:
+    BLOCK / GROUP whole groups)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    if PER_TOKEN:
+    if PER_TOKEN and ONE_TILE:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < d
+        y = _silu_mul(x_row, d, cols, mask).to(tl.float32)
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), 0), QMAX), MIN_SCALE)
+        tl.store(scale_ptr + row * stride_sm, scale)
+        q = tl.minimum(tl.maximum(y * tl.div_rn(1.0, scale), -QMAX), QMAX)
+        tl.store(q_ptr + row * d + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    elif PER_TOKEN:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, d, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -101,7 +124,7 @@ def silu_and_mul_fp8(x: torch.Tensor, group_size: int | None = None, launch: Act
     if x.dim() != 2 or x.shape[-1] % 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [T, 2 * d] ([gate | up]) with unit stride, got {tuple(x.shape)}")
     rows, d = x.shape[0], x.shape[1] // 2
-    launch = launch or launch_policy(d)
+    launch = launch or (per_token_fp8_launch(d) if group_size is None else launch_policy(d))
     if group_size is not None and (group_size < 16 or group_size & (group_size - 1) or group_size > launch.block):
         raise ValueError(f"group_size={group_size} must be a power of two >= 16 and <= the tile ({launch.block})")
     q = torch.empty(rows, d, dtype=FP8_DTYPE, device=x.device)
@@ -114,5 +137,6 @@ def silu_and_mul_fp8(x: torch.Tensor, group_size: int | None = None, launch: Act
     grid = (rows,) if group_size is None else (rows, triton.cdiv(d, launch.block))
     _silu_and_mul_fp8_kernel[grid](x, q, scale, x.stride(0), d, scale.stride(0), scale.stride(1), QMAX=FP8_MAX,
                                    MIN_SCALE=FP8_MIN_SCALE, PER_TOKEN=group_size is None, GROUP=group_size or 128,
-                                   BLOCK=launch.block, num_warps=launch.num_warps)
+                                   BLOCK=launch.block, ONE_TILE=group_size is None and launch.block >= d,
+                                   num_warps=launch.num_warps)
     return q, scale

@@ -173,8 +173,17 @@ def test_rms_norm_fp8_with_float32_weight_quantizes_the_float32_output(device):
         rms_norm_fp8(x, weight, 1e-6, 256)
 
 
-# (d, group_size, forced tile): per token in one step and in 7 steps of 16; groups of 64 over 5 tiles of 64 (the last
-# partial), 4 groups of 64 per 256-column tile; groups of 128.
+def test_silu_and_mul_fp8_per_token_keeps_a_row_in_registers_up_to_the_tile_limit():
+    from surge.kernels.activation import MAX_ROW_TILE, launch_policy, per_token_fp8_launch
+
+    assert per_token_fp8_launch(12288) == per_token_fp8_launch(MAX_ROW_TILE) and \
+        per_token_fp8_launch(MAX_ROW_TILE).block == MAX_ROW_TILE
+    assert per_token_fp8_launch(MAX_ROW_TILE).num_warps == 16 and per_token_fp8_launch(100).num_warps == 1
+    assert per_token_fp8_launch(MAX_ROW_TILE + 1) == launch_policy(MAX_ROW_TILE + 1)  # two passes of 1024
+
+
+# (d, group_size, forced tile): per token in one tile (the row in registers) and in 7 steps of 16; groups of 64 over
+# 5 tiles of 64 (the last partial), 4 groups of 64 per 256-column tile; groups of 128.
 SILUS = [(100, None, None), (100, None, 16), (300, 64, 64), (300, 64, 256), (256, 128, None)]
 
 
@@ -186,6 +195,7 @@ def test_silu_and_mul_fp8_equals_silu_then_quant(d, group, tile, dtype, device):
 
     x = _x(4, 2 * d, dtype, device, seed=d, spread=False) * torch.tensor([[0.01], [1.0], [4.0], [30.0]], device=device,
                                                                       dtype=dtype)  # rows of other magnitudes
+    x[3, :d], x[3, d:] = x[3, :d].abs(), -x[3, d:].abs()  # a row of products <= 0: its amax is a negative value's
     product = silu_and_mul(x)
     assert product.isfinite().all()
     expected_q, expected_scale = (scaled_fp8_quant_per_token(product) if group is None

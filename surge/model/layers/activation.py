@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from surge.model.quant.quantized_input import InputQuant, QuantizedInput
+
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
@@ -56,18 +58,31 @@ class Act(nn.Module):
 
 
 class ActAndMul(nn.Module):
-    """act(gate) * up on a merged [gate | up] projection's output [..., 2I] -> [..., I]."""
+    """act(gate) * up on a merged [gate | up] projection's output [..., 2I] -> [..., I]. `output_quant`: as
+    RMSNorm's, for the fp8 down projection (SiLU on CUDA quantizes in its own kernel)."""
+    output_quant: InputQuant | None = None
 
     def __init__(self, name: str = "silu", field_name: str = "hidden_act") -> None:
         super().__init__()
         self.name, self.fn = name, activation(name, field_name)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedInput:
+        if self.output_quant is not None and self.output_quant.wanted(x):
+            return self._forward_quantized(x)
         if x.is_cuda and self.fn is F.silu:
             from surge.kernels.activation import silu_and_mul
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return self.fn(gate).mul_(up)  # in place: one [T, I] buffer fewer (6 MB a layer at a 1024-token prefill)
+
+    def _forward_quantized(self, x: torch.Tensor) -> QuantizedInput:
+        """forward, its output quantized for the next layer: in the same Triton pass for SiLU on CUDA."""
+        if x.is_cuda and self.fn is F.silu:
+            from surge.kernels.activation import silu_and_mul_fp8
+            q, scale = silu_and_mul_fp8(x.reshape(-1, x.shape[-1]), self.output_quant.group_size)
+            return QuantizedInput(q, scale, x.dtype)
+        gate, up = x.chunk(2, dim=-1)
+        return self.output_quant.quantize(self.fn(gate).mul_(up))
 
 
 class SiluAndMul(ActAndMul):

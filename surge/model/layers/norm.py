@@ -7,9 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from surge.kernels.reference import rms_norm as rms_norm_reference
+from surge.model.quant.quantized_input import InputQuant, QuantizedInput
 
 
 class RMSNorm(nn.Module):
+    """`output_quant`: set where one fp8 linear layer alone reads the output (surge/model/quant/quantized_input.py);
+    then, when that layer wants it, the output is returned quantized (on CUDA by the norm's own kernel)."""
+    output_quant: InputQuant | None = None
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -24,6 +29,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if self.output_quant is not None and self.output_quant.wanted(x):
+            return self._forward_quantized(x, residual)
         if x.is_cuda:  # one fused Triton pass instead of ~7 elementwise kernels
             from surge.kernels.norm import fused_add_rms_norm, rms_norm
             if residual is None:
@@ -33,6 +40,22 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def _forward_quantized(self, x: torch.Tensor, residual: torch.Tensor | None
+                           ) -> QuantizedInput | tuple[QuantizedInput, torch.Tensor]:
+        """forward, its normalized output quantized for the next layer: in the same Triton pass on CUDA."""
+        quant = self.output_quant
+        if x.is_cuda:
+            from surge.kernels.norm import fused_add_rms_norm_fp8, rms_norm_fp8
+            dtype = torch.promote_types(self.weight.dtype, x.dtype)
+            if residual is None:
+                return QuantizedInput(*rms_norm_fp8(x, self.weight, self.eps, quant.group_size), dtype)
+            q, scale, residual = fused_add_rms_norm_fp8(x, residual, self.weight, self.eps, quant.group_size)
+            return QuantizedInput(q, scale, dtype), residual
+        if residual is None:
+            return quant.quantize(self._norm(x))
+        x = x + residual
+        return quant.quantize(self._norm(x)), x
 
 
 class TorchNorm(nn.Module):

@@ -17,6 +17,7 @@ from surge.model.layers.embedding import VocabParallelEmbedding
 from surge.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from surge.model.layers.norm import RMSNorm
 from surge.model.layers.rotary import RotaryEmbedding, rope_parameters
+from surge.model.quant.quantized_input import input_quant_of
 
 
 class DecoderAttention(nn.Module):
@@ -40,6 +41,12 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, sliding_window, scale=scale,
                               logit_softcap=logit_softcap, has_sinks=has_sinks)
+
+    @property
+    def input_linear(self) -> QKVParallelLinear:
+        """The one layer reading forward's x (a subclass reading x otherwise returns None): see
+        DecoderLayer.fuse_input_quant."""
+        return self.qkv_proj
 
     def prologue(self, positions: torch.Tensor) -> Prologue | None:
         qn, kn, rotary = self.q_norm, self.k_norm, self.rotary
@@ -69,6 +76,15 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
         self.act = ActAndMul(act, act_field)
 
+    @property
+    def input_linear(self) -> MergedColumnParallelLinear:
+        """The one layer reading forward's x."""
+        return self.gate_up_proj
+
+    def fuse_input_quant(self) -> None:
+        """SiLU-and-mul quantizes its output for an fp8 down projection (surge/model/quant/quantized_input.py)."""
+        self.act.output_quant = input_quant_of(self.down_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
@@ -82,6 +98,14 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def fuse_input_quant(self) -> None:
+        """Once the linear layers have their methods: each RMSNorm quantizes its output in its own kernel where the
+        one layer reading it (the block's input_linear) is fp8 with dynamic activations, saving that GEMM's own
+        quantization launch (surge/model/quant/quantized_input.py)."""
+        for norm, block in ((self.input_layernorm, self.self_attn), (self.post_attention_layernorm, self.mlp)):
+            if type(norm) is RMSNorm:  # the norm with the fused kernel (not a subclass's torch norm)
+                norm.output_quant = input_quant_of(getattr(block, "input_linear", None))
 
     def forward(self, positions, x, residual, meta):
         if residual is None:

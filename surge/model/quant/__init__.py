@@ -209,3 +209,8 @@ def quantize_model(model: nn.Module, quant: QuantConfig | None, device: torch.de
                                  "quantized differently; Surge runs them as one GEMM and needs them alike")
             method = methods[ckpt[0]]
         layer.set_method(method, device)
+    if quant is not None:
+        for module in model.modules():  # producers quantizing a layer's input in their own kernel
+            fuse = getattr(module, "fuse_input_quant", None)
+            if fuse is not None:
+                fuse()

@@ -21,6 +21,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from surge.model.layers.linear import Linear
+    from surge.model.quant.quantized_input import InputQuant
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,16 @@ class LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from surge.model.layers.gemm import linear
         return linear(x, layer.weight, bias, owner=layer)
+
+    def input_quant(self, layer: Linear) -> InputQuant | None:
+        """The quantization of its input this method does, which the layer producing the input may do instead in its
+        own kernel (surge/model/quant/quantized_input.py); None: the method takes its input as it is."""
+        return None
+
+    def takes_quantized_input(self, layer: Linear, x: torch.Tensor) -> bool:
+        """Whether this call (its producer's input x: rows, device, dtype) takes its input quantized by the producer
+        (asked only of methods with an input_quant)."""
+        return False
 
     def init_dummy(self, layer: Linear, gen: torch.Generator) -> None:
         """Random weights for benchmarks (small normal values), in this method's storage."""

@@ -10,12 +10,15 @@ static activation scale float32 [1] (the largest of a merged layer's shards). Na
 
 CUDA with bf16/fp16 activations: up to 4 rows (decode at small batch), surge.kernels.gemv.py streams the fp8
 weight against the activations as they are (weight-only W8A16: the batch-1 step reads each weight byte once, with no
-quantization launch); up to 128 rows the same weight-only math on tensor cores (surge.kernels.fp8_wo_gemm.py:
-decode batches are still the weight's bandwidth, where cuBLASLt's fp8 tiles are not); more rows, torch._scaled_mm, row-wise (scale_a [M, 1], scale_b [1, N]) or block-wise (1x128 x
-128x128), activations quantized by surge/kernels/fp8_quant.py. Elsewhere (CPU, float32, other block shapes) the
-weight is dequantized once (a cached copy in the activations' dtype) and the activations' quantization simulated in
-float32 (quantize, dequantize; kernels/quant_reference.py), then the ordinary GEMM: the same math, the reference the
-GPU path is tested against.
+quantization launch); up to 32 rows the same weight-only math on tensor cores (surge.kernels.fp8_wo_gemm.py: decode
+batches are still the weight's bandwidth, where cuBLASLt's fp8 tiles are not); more rows, torch._scaled_mm, row-wise
+(scale_a [M, 1], scale_b [1, N]) or block-wise (1x128 x 128x128), activations quantized by
+surge/kernels/fp8_quant.py, or, where an RMSNorm or SiLU-and-mul feeds this layer alone (qkv, gate_up, down), by that
+layer's own kernel (`input_quant`, quantized_input.py): the GEMM then gets a QuantizedInput and launches nothing
+else. Elsewhere (CPU, float32, other block shapes) the weight is dequantized once (a cached copy in the activations'
+dtype) and the activations' quantization simulated in float32 (quantize, dequantize; kernels/quant_reference.py),
+then the ordinary GEMM: the same math, the reference the GPU path is tested against. A QuantizedInput is dequantized
+there likewise.
 """
 from __future__ import annotations
 
@@ -29,9 +32,10 @@ from surge.kernels.quant_reference import FP8_MAX
 from surge.kernels.quant_reference import FP8_MIN_SCALE as MIN_SCALE
 from surge.kernels.quant_reference import dequantize_fp8, fp8_fake_quant
 from surge.model.quant.base import LinearMethod, Sharding, add_param
+from surge.model.quant.quantized_input import InputQuant, QuantizedInput
 
 GEMV_ROWS = 4  # surge.kernels.gemv.py's MAX_ROWS (not imported here: it imports Triton)
-WO_GEMM_ROWS = 32  # up to here fp8_wo_gemm beats torch._scaled_mm on all of Qwen3-8B's layers (H200, bench kernels --only wo)
+WO_GEMM_ROWS = 32  # up to here fp8_wo_gemm beats torch._scaled_mm on Qwen3-8B's layers (H200, bench kernels --only wo)
 
 
 def quantize_weight(w: torch.Tensor, scheme: str, block: tuple[int, int] | None
@@ -124,7 +128,31 @@ class Fp8LinearMethod(LinearMethod):
     def dense_weight(self, layer) -> torch.Tensor:
         return dequantize_fp8(layer.weight, getattr(layer, self.scale_name), self.block, layer.params_dtype)
 
-    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def input_quant(self, layer) -> InputQuant | None:
+        """Dynamic activations (per token; per 1 x bk group with block weights): the layer before may quantize them
+        in its own kernel. Static ones (a checkpoint scale) stay here."""
+        if self.activations == "token":
+            return InputQuant(layer)
+        if self.activations == "group":
+            return InputQuant(layer, self.block[1])
+        return None
+
+    def takes_quantized_input(self, layer, x: torch.Tensor) -> bool:
+        """Every call that quantizes its activations, unless a LoRA adapter reads them unquantized: on the
+        torch._scaled_mm path above WO_GEMM_ROWS rows (the GEMV and the weight-only GEMM read them as they are), for
+        group scales only at
+        row counts cuBLASLt takes unpadded (multiples of 4: every decode graph above 4 rows, every mixed graph);
+        on the dequantized path always."""
+        if layer.lora is not None:
+            return False
+        if not self._scaled_mm_serves(x.is_cuda, x.dtype):
+            return True
+        rows = x.numel() // x.shape[-1]
+        return rows > WO_GEMM_ROWS and not (self.activations == "group" and rows % 4)
+
+    def apply(self, layer, x: torch.Tensor | QuantizedInput, bias: torch.Tensor | None) -> torch.Tensor:
+        if type(x) is QuantizedInput:
+            return self._apply_quantized(layer, x, bias)
         if self.scaled_mm_serves(x):
             return self._apply_cuda(layer, x, bias)
         from surge.model.layers.gemm import linear
@@ -136,39 +164,61 @@ class Fp8LinearMethod(LinearMethod):
     def scaled_mm_serves(self, x: torch.Tensor) -> bool:
         """torch._scaled_mm on the H200: bf16 (or fp16) activations, row-wise scales or 128 x 128 blocks. Otherwise
         (CPU, float32 models, other blocks) the dequantized path, which computes the same math."""
-        return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.block in (None, (128, 128))
+        return self._scaled_mm_serves(x.is_cuda, x.dtype)
+
+    def _scaled_mm_serves(self, is_cuda: bool, dtype: torch.dtype) -> bool:
+        return is_cuda and dtype in (torch.bfloat16, torch.float16) and self.block in (None, (128, 128))
+
+    def _apply_quantized(self, layer, x: QuantizedInput, bias: torch.Tensor | None) -> torch.Tensor:
+        """Activations the layer before quantized as this method would (input_quant): the GEMM alone, or on the
+        dequantized path the activations dequantized (as fp8_fake_quant does after quantizing)."""
+        q = x.q.reshape(-1, x.q.shape[-1])
+        if self._scaled_mm_serves(q.is_cuda, x.dtype):
+            out = self._scaled_mm(layer, q, x.scale, bias, x.dtype)
+        else:
+            from surge.model.layers.gemm import linear
+            x_sim = dequantize_fp8(q, x.scale, (1, self.block[1]) if self.activations == "group" else None, x.dtype)
+            out = linear(x_sim, self.cached_dense_weight(layer), bias, owner=layer)
+        return out.view(*x.q.shape[:-1], out.shape[-1])
 
     def _apply_cuda(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        w, w_scale = layer.weight, getattr(layer, self.scale_name)
-        if x2.shape[0] <= GEMV_ROWS:  # decode: stream the fp8 weight, activations as they are (weight-only)
+        rows = x2.shape[0]
+        if rows <= GEMV_ROWS:  # decode: stream the fp8 weight, activations as they are (weight-only)
             from surge.kernels.gemv import fp8_gemv
-            out = fp8_gemv(x2, w, w_scale, bias, block_scales=self.block is not None)
+            out = fp8_gemv(x2, layer.weight, getattr(layer, self.scale_name), bias,
+                           block_scales=self.block is not None)
             return out.view(*shape[:-1], out.shape[-1])
-        if x2.shape[0] <= WO_GEMM_ROWS:  # decode batches: still the weight's bandwidth, on tensor cores
+        if rows <= WO_GEMM_ROWS:  # decode batches: still the weight's bandwidth, on tensor cores
             from surge.kernels.fp8_wo_gemm import fp8_wo_gemm
-            out = fp8_wo_gemm(x2, w, w_scale, bias, block_scales=self.block is not None)
+            out = fp8_wo_gemm(x2, layer.weight, getattr(layer, self.scale_name), bias,
+                              block_scales=self.block is not None)
             return out.view(*shape[:-1], out.shape[-1])
         kernels = _kernels()
         if self.activations == "group":
-            rows = x2.shape[0]
             if rows % 4:  # cuBLASLt's block-scaled GEMM takes M in multiples of 4 (vLLM pads alike)
                 x2 = torch.nn.functional.pad(x2, (0, 0, 0, -rows % 4))
             q, x_scale = kernels.per_token_group_quant_fp8(x2, self.block[1])
-            out = torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)[:rows]
-            if bias is not None:
-                out = out + bias
+        elif self.activations == "static":
+            input_scale = getattr(layer, self.input_scale_name)
+            q, _ = kernels.scaled_fp8_quant_per_tensor(x2, input_scale)
+            x_scale = input_scale.expand(rows, 1).contiguous()  # row-wise scales: cuBLASLt wants them dense
         else:
-            if self.activations == "static":
-                input_scale = getattr(layer, self.input_scale_name)
-                q, _ = kernels.scaled_fp8_quant_per_tensor(x2, input_scale)
-                x_scale = input_scale.expand(x2.shape[0], 1).contiguous()  # row-wise scales: cuBLASLt wants them dense
-            else:
-                q, x_scale = kernels.scaled_fp8_quant_per_token(x2)
-            out = torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), bias=bias,
-                                   out_dtype=x.dtype)
+            q, x_scale = kernels.scaled_fp8_quant_per_token(x2)
+        out = self._scaled_mm(layer, q, x_scale, bias, x.dtype)[:rows]
         return out.view(*shape[:-1], out.shape[-1])
+
+    def _scaled_mm(self, layer, q: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """torch._scaled_mm of quantized activations [M, K] with this layer's weight: row-wise (x_scale [M, 1], the
+        bias in cuBLASLt's epilogue) or 1 x 128 by 128 x 128 blocks (x_scale [M, K / 128] M-major; M a multiple of
+        4; the bias, which the block-scaled GEMM does not take, added after)."""
+        w, w_scale = layer.weight, getattr(layer, self.scale_name)
+        if self.activations == "group":
+            out = torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=dtype)
+            return out if bias is None else out + bias
+        return torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), bias=bias, out_dtype=dtype)
 
 
 def _kernels():
