@@ -140,9 +140,8 @@ class Fp8LinearMethod(LinearMethod):
     def takes_quantized_input(self, layer, x: torch.Tensor) -> bool:
         """Every call that quantizes its activations, unless a LoRA adapter reads them unquantized: on the
         torch._scaled_mm path above WO_GEMM_ROWS rows (the GEMV and the weight-only GEMM read them as they are), for
-        group scales only at
-        row counts cuBLASLt takes unpadded (multiples of 4: every decode graph above 4 rows, every mixed graph);
-        on the dequantized path always."""
+        group scales only at row counts cuBLASLt takes unpadded (multiples of 4: every decode graph above 4 rows, every
+        mixed graph); on the dequantized path always."""
         if layer.lora is not None:
             return False
         if not self._scaled_mm_serves(x.is_cuda, x.dtype):
