@@ -28,8 +28,8 @@ def _reference(layer, x, token_slot):
         if slot < 0:
             continue
         for j, (offset, size) in enumerate(layer.slices):
-            a = layer.a[slot, j * r:(j + 1) * r].double()
-            b = layer.b[slot, offset:offset + size].double()
+            a = layer.a[slot, j * r:(j + 1) * r].double().cpu()
+            b = layer.b[slot, offset:offset + size].double().cpu()
             y[t, offset:offset + size] = b @ (a @ x[t].double().cpu())
     return y
 
