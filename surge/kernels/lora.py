@@ -127,7 +127,10 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, slot_ptr, start
         st += tl.load(s_tile + split * stride_split, mask=mask_s, other=0.0)
     bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + (first + offs_n[None, :]) * stride_bn + offs_k[:, None],
                  mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-    delta = tl.dot(st, bt.to(tl.float32), input_precision="ieee")
+    if bt.dtype == tl.float32:
+        delta = tl.dot(st, bt, input_precision="ieee")
+    else:  # tensor cores: s rounded to the adapter's dtype, as PEFT's lora_B(lora_A(x)) computes in it
+        delta = tl.dot(st.to(bt.dtype), bt)
     y_tile = y_ptr + rows[:, None] * stride_y + first + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     y = tl.load(y_tile, mask=mask, other=0.0)
