@@ -645,9 +645,12 @@ def check_gemv() -> None:
         policy = launch_policy(1, n, k)
         report(f"gemv {name} fp8 gemv {policy.block_n}x{policy.block_k}", bench(lambda: fp8_gemv(x, w8, scale)),
                nbytes=n * k, err=max_err(fp8_gemv(x, w8, scale), expected), tol=2e-2)
-        best = min((bench(lambda lc=GemvLaunch(bn, bk, nw): fp8_gemv(x, w8, scale, launch=lc)), bn, bk, nw)
-                   for bn, bk, nw in itertools.product((8, 16), (512, 1024), (4, 8)))
-        report(f"gemv {name} fp8 gemv best {best[1]}x{best[2]} w{best[3]}", best[0], nbytes=n * k)
+        sweep = [GemvLaunch(bn, bk, 4, split, stages, once) for bn, bk, split, stages, once
+                 in itertools.product((8, 16), (512, 1024), (1, 4), (1, 3), (False, True))]
+        sweep += [GemvLaunch(4, 2048, 4, split, 3, once) for split in (1, 4) for once in (False, True)]
+        times = sorted((bench(lambda lc=lc: fp8_gemv(x, w8, scale, launch=lc)), str(lc)) for lc in sweep)
+        for seconds, lc in times[:3]:
+            report(f"gemv {name} fp8 gemv {lc}", seconds, nbytes=n * k)
 
 
 def check_wo_gemm(batches: tuple[int, ...] = (1, 8, 16, 32, 64, 128)) -> None:

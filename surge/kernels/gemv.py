@@ -33,6 +33,9 @@ class GemvLaunch:
     block_n: int
     block_k: int
     num_warps: int
+    split_k: int = 1  # > 1: partial sums added into a zeroed float32 output (atomics), cast afterwards
+    num_stages: int = 1  # loads of later K steps issued ahead (Triton's software pipelining)
+    reduce_once: bool = False  # accumulate products elementwise, reduce over K once at the end
 
 
 def launch_policy(m: int, n: int, k: int) -> GemvLaunch:
@@ -43,33 +46,51 @@ def launch_policy(m: int, n: int, k: int) -> GemvLaunch:
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                      stride_om, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """out[m, n] = sum_k x[m, k] * W[n, k] * scale (+ bias[n]), float32 accumulation."""
+                     BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                     NUM_STAGES: tl.constexpr, REDUCE_ONCE: tl.constexpr):
+    """out[m, n] (+)= sum over this split's K of x[m, k] * W[n, k] * scale (+ bias[n] once), float32 accumulation."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     cols64 = cols.to(tl.int64)
     rows = tl.arange(0, M_PAD)
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    pid_k = tl.program_id(1)
+    k_len = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_begin = pid_k * k_len
+    k_end = tl.minimum(K, k_begin + k_len)
+    if REDUCE_ONCE:
+        acc3 = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + ks
         k_ok = k < K
         w = tl.load(w_ptr + cols64[:, None] * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
+                    other=0.0, eviction_policy="evict_first").to(tl.float32)
         if BLOCK_SCALES:  # BLOCK_N rows lie in one 128-row block; the tile's columns in one or more blocks
             s = tl.load(scale_ptr + (cols64 // 128)[:, None] * stride_sn + (k // 128)[None, :],
                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             w = w * s
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if REDUCE_ONCE:
+            acc3 += x[:, None, :] * w[None, :, :]
+        else:
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    if REDUCE_ONCE:
+        acc = tl.sum(acc3, axis=2)
     if not BLOCK_SCALES:
         acc = acc * tl.load(scale_ptr + cols64 * stride_sn, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        if pid_k == 0:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -89,15 +110,16 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
                          f"{tuple(weight_scale.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out
+        return torch.empty(0, n, dtype=x.dtype, device=x.device)
     launch = launch or launch_policy(m, n, k)
+    split = launch.split_k > 1
+    out = (torch.zeros if split else torch.empty)(m, n, dtype=torch.float32 if split else x.dtype, device=x.device)
     weight_scale = weight_scale.contiguous()
-    _fp8_gemv_kernel[(triton.cdiv(n, launch.block_n),)](
+    _fp8_gemv_kernel[(triton.cdiv(n, launch.block_n), launch.split_k)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k, x.stride(0),
         weight.stride(0), weight_scale.stride(0), out.stride(0), M_PAD=max(1, triton.next_power_of_2(m)),
         BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, BLOCK_SCALES=block_scales, HAS_BIAS=bias is not None,
+        SPLIT_K=launch.split_k, NUM_STAGES=launch.num_stages, REDUCE_ONCE=launch.reduce_once,
         num_warps=launch.num_warps)
-    return out
-
+    return out.to(x.dtype) if split else out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from surge.kernels.gemv import MAX_ROWS, fp8_gemv, launch_policy
+from surge.kernels.gemv import MAX_ROWS, GemvLaunch, fp8_gemv, launch_policy
 from surge.kernels.quant_reference import dequantize_fp8
 
 
@@ -44,12 +44,28 @@ def test_launch_policy_steps_1024_columns_a_row_until_128():
 @pytest.mark.parametrize("block_k", [128, 256, 512])
 def test_block_scales_across_a_wide_tile(block_k, device):
     """A K step wider than a scale block reads each column's own block scale."""
-    from surge.kernels.gemv import GemvLaunch
     q, scale = _weight(24, 700, True, device)
     x = torch.randn(1, 700, generator=torch.Generator().manual_seed(3)).to(device)
     got = fp8_gemv(x, q, scale, block_scales=True, launch=GemvLaunch(8, block_k, 4))
     expected = torch.nn.functional.linear(x.cpu(), dequantize_fp8(q.cpu(), scale.cpu(), (128, 128)))
     torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("launch", [GemvLaunch(8, 128, 4, split_k=2), GemvLaunch(8, 128, 4, split_k=3, num_stages=2),
+                                    GemvLaunch(16, 256, 4, reduce_once=True),
+                                    GemvLaunch(8, 128, 4, split_k=2, reduce_once=True)], ids=str)
+@pytest.mark.parametrize("block", [False, True], ids=["per-row", "block"])
+def test_split_k_stages_and_one_reduction_compute_the_same(launch, block, device):
+    """Split K (3 splits over 5 K steps: 2 + 2 + 1), pipelined loads and the single final reduction: the same
+    product, bias added once."""
+    q, scale = _weight(40, 640, block, device)
+    x = torch.randn(3, 640, generator=torch.Generator().manual_seed(5)).to(device, torch.bfloat16)
+    bias = torch.randn(40).to(device, torch.bfloat16)
+    got = fp8_gemv(x, q, scale, bias, block_scales=block, launch=launch)
+    w = dequantize_fp8(q.cpu(), scale.cpu(), (128, 128) if block else None)
+    expected = torch.nn.functional.linear(x.cpu().float(), w, bias.cpu().float())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.cpu().float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_fp8_gemv_refuses_what_it_does_not_take(device):
