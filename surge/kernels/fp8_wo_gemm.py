@@ -50,11 +50,12 @@ def launch_policy(m: int, n: int, k: int, num_sms: int = 132, block_scales: bool
 
 
 @triton.jit
-def _fp8_wo_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                        stride_om, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _fp8_wo_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
+                        stride_sn, stride_om, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """out[t, n] (+)= sum over this split's K of W[n, k] * x[t, k] * scale (+ bias[n] once)."""
+                        PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, X_FP8: tl.constexpr):
+    """out[t, n] (+)= sum over this split's K of W[n, k] * x[t, k] * scale (+ bias[n] once). X_FP8: x is fp8 with
+    per-row scales (x_scale [M, 1]) and the MMA takes both operands as fp8."""
     pid_n, pid_t, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
@@ -70,8 +71,9 @@ def _fp8_wo_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, str
         k = k0 + ks
         k_ok = k < K
         xt = tl.load(x_ptr + ts[None, :] * stride_xm + k[:, None], mask=k_ok[:, None] & t_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + ns64[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(xt.dtype)
+        w = tl.load(w_ptr + ns64[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if not X_FP8:
+            w = w.to(xt.dtype)
         if BLOCK_SCALES:  # the tile lies in one 128 x 128 block: one scale per (row block, K tile)
             s = tl.load(scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK)
             acc += tl.dot(w, xt, input_precision=PRECISION) * s
@@ -79,6 +81,8 @@ def _fp8_wo_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, str
             acc = tl.dot(w, xt, acc, input_precision=PRECISION)
     if not BLOCK_SCALES:
         acc = acc * tl.load(scale_ptr + ns64 * stride_sn, mask=n_ok, other=0.0)[:, None]
+    if X_FP8:
+        acc = acc * tl.load(x_scale_ptr + ts, mask=t_ok, other=0.0)[None, :]
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(bias_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -91,9 +95,12 @@ def _fp8_wo_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, str
 
 
 def fp8_wo_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                block_scales: bool = False, launch: WoLaunch | None = None) -> torch.Tensor:
+                block_scales: bool = False, launch: WoLaunch | None = None, x_scale: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32), weight float8_e4m3fn [N, K], weight_scale float32 [N, 1] or, block_scales,
-    [ceil(N / 128), ceil(K / 128)] -> [M, N] in x's dtype: x @ dequantized(W).T (+ bias)."""
+    [ceil(N / 128), ceil(K / 128)] -> [M, N] in x's dtype: x @ dequantized(W).T (+ bias). With x_scale (float32
+    [M, 1]), x is float8_e4m3fn quantized per row (W8A8, fp8 MMA; per-row weight scales only) and out_dtype names
+    the output's dtype."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (n, k) or weight.stride(1) != 1:
@@ -105,20 +112,26 @@ def fp8_wo_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                          f"{tuple(weight_scale.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
+    x_fp8 = x_scale is not None
+    if x_fp8 and (x.dtype != torch.float8_e4m3fn or block_scales or tuple(x_scale.shape) != (m, 1)):
+        raise ValueError(f"fp8 activations need float8_e4m3fn x, x_scale float32 [M, 1] and per-row weight scales, "
+                         f"got {x.dtype}, {None if x_scale is None else tuple(x_scale.shape)}, "
+                         f"block_scales={block_scales}")
+    dtype = out_dtype or x.dtype
     if m == 0:
-        return torch.empty(0, n, dtype=x.dtype, device=x.device)
+        return torch.empty(0, n, dtype=dtype, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
     launch = launch or launch_policy(m, n, k, sms, block_scales)
     if block_scales and (launch.block_k > SCALE_BLOCK or SCALE_BLOCK % launch.block_n):
         raise ValueError(f"block scales need BLOCK_K <= 128 and BLOCK_N dividing 128, got {launch}")
     split = launch.split_k > 1
-    out = (torch.zeros if split else torch.empty)(m, n, dtype=torch.float32 if split else x.dtype, device=x.device)
+    out = (torch.zeros if split else torch.empty)(m, n, dtype=torch.float32 if split else dtype, device=x.device)
     weight_scale = weight_scale.contiguous()
     grid = (triton.cdiv(n, launch.block_n), triton.cdiv(m, launch.block_t), launch.split_k)
     _fp8_wo_gemm_kernel[grid](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k, x.stride(0),
+        x, x_scale if x_fp8 else weight_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k, x.stride(0),
         weight.stride(0), weight_scale.stride(0), out.stride(0), BLOCK_T=launch.block_t, BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k, SPLIT_K=launch.split_k, BLOCK_SCALES=block_scales, HAS_BIAS=bias is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", NUM_STAGES=launch.num_stages,
-        num_warps=launch.num_warps)
-    return out.to(x.dtype) if split else out
+        X_FP8=x_fp8, num_warps=launch.num_warps)
+    return out.to(dtype) if split else out

@@ -51,3 +51,17 @@ def test_launch_policy_rows_tile_and_split_k():
     assert launch_policy(16, 64, 16 * 128 - 1, num_sms=132).split_k == 2  # 16 steps, the last partial: still 2 x 8
     assert launch_policy(16, 64, 15 * 128, num_sms=132).split_k == 1  # 15: no split of >= 8 each
     assert launch_policy(64, 4096, 12288).split_k == 8  # down_proj at batch 64: 64 tiles x 8 = 512 programs
+
+
+@pytest.mark.parametrize("m, n, k, launch", [(5, 65, 200, WoLaunch(16, 64, 128, 1)),
+                                             (33, 130, 640, WoLaunch(64, 64, 128, 2))])
+def test_fp8_activations_take_the_fp8_mma(m, n, k, launch, device):
+    """W8A8: x quantized per row, both MMA operands fp8: x_q * x_scale @ dequantized(W).T."""
+    from surge.kernels.quant_reference import fp8_quant_per_token
+    q, scale = _weight(n, k, False, device)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, torch.bfloat16)
+    xq, xs = fp8_quant_per_token(x)
+    got = fp8_wo_gemm(xq, q, scale, launch=launch, x_scale=xs, out_dtype=torch.bfloat16)
+    expected = dequantize_fp8(xq.cpu(), xs.cpu()) @ dequantize_fp8(q.cpu(), scale.cpu()).t()
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.cpu().float(), expected, atol=2e-2, rtol=2e-2)
