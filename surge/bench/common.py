@@ -38,10 +38,10 @@ class ActiveWeights:
 
     @staticmethod
     def of(model: torch.nn.Module) -> ActiveWeights:
-        from surge.model.layers.moe import FusedMoE, SparseMoeBlock
+        from surge.model.layers.moe import FusedMoE
 
         experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
-        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        blocks = [m for m in model.modules() if isinstance(getattr(m, "experts", None), FusedMoE)]  # their top_k
         ps = [p for m in experts for p in m.parameters()]
         return ActiveWeights(params=sum(p.numel() for p in model.parameters()),
                              nbytes=sum(p.numel() * p.element_size() for p in model.parameters()),

@@ -28,11 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from surge.attention.backend import AttentionMetadata
+from surge import envs
 from surge.distributed.parallel_state import get_tp_group
 from surge.model.arch import WeightMapper, cfg_get, refuse, require
 from surge.model.layers.attention import MLAAttention
 from surge.model.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
-from surge.model.layers.moe import FusedMoE, select_experts
+from surge.model.layers.moe import FusedMoE, select_experts, uniform_random_routing
 from surge.model.layers.norm import RMSNorm
 from surge.model.layers.rotary import RotaryEmbedding, rope_parameters
 from surge.model.models.llama import MLP, LlamaForCausalLM
@@ -111,15 +112,19 @@ class DeepseekMoE(nn.Module):
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
                                                              requires_grad=False)
         self.experts = FusedMoE(num_experts, hidden, tc.moe_intermediate_size)
+        self.routing_simulation = envs.SURGE_MOE_ROUTING_SIMULATION  # benchmarks: as SparseMoeBlock
         shared = cfg_get(tc, "n_shared_experts", 0)
         self.shared_experts = (MLP(hidden, tc.moe_intermediate_size * shared, bool(cfg_get(tc, "mlp_bias", False)))
                                if shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight.float())  # in float32, as HF routes
-        weights, ids = select_experts(logits, self.top_k, self.renormalize, x.dtype,
-                                      e_score_correction_bias=getattr(self.gate, "e_score_correction_bias", None),
-                                      **self.routing)
+        if self.routing_simulation == "uniform_random":
+            weights, ids = uniform_random_routing(logits, self.top_k, x.dtype)
+        else:
+            weights, ids = select_experts(logits, self.top_k, self.renormalize, x.dtype,
+                                          e_score_correction_bias=getattr(self.gate, "e_score_correction_bias", None),
+                                          **self.routing)
         out = get_tp_group().all_reduce(self.experts(x, weights, ids))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
