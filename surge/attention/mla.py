@@ -1,5 +1,5 @@
-"""Multi-head latent attention (DeepSeek V2/V3) in plain torch over a latent KV cache: the CPU path, and every
-device's until an MLA kernel exists.
+"""Multi-head latent attention (DeepSeek V2/V3) over a latent KV cache: in plain torch (the CPU path, and the
+reference), and absorbed through the Triton kernel (surge/kernels/mla_attention.py: the CUDA path).
 
 A token caches one row [kv_c | k_pe]: its normed latent (kv_lora_rank L) and its rotated rope key (R), shared by
 every head. kv_b_proj's weight W [H * (nope + v), L] gives head h's keys and values: k_h = [W_UK_h kv_c | k_pe],
@@ -9,6 +9,8 @@ v_h = W_UV_h kv_c. Two ways to attend, equal in exact arithmetic:
 - absorbed (decode rows): q_h's nope channels through W_UK_h^T into latent space, scores straight against the cached
   rows ([q_lat | q_pe] . [kv_c | k_pe]), the probabilities weight the cached latents, and W_UV_h maps the result to v:
   L + R values read per position, nothing expanded (the point of the latent cache).
+The Triton path absorbs every row, prefill chunks included (the kernel masks causally): it reads every length from
+device memory, so its steps can be captured in CUDA graphs, mixed ones too.
 """
 from __future__ import annotations
 
@@ -71,6 +73,29 @@ def mla_forward(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cach
             out[start:start + n] = _expanded(q[start:start + n], ctx, visible, kv_b_weight, params.scale, lora,
                                              nope, v_dim)
     return out
+
+
+def mla_forward_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: AttentionMetadata, params: AttentionParams, kv_b_weight: torch.Tensor,
+                       kernel) -> torch.Tensor:
+    """mla_forward's contract through the Triton kernel (`kernel`: the device's MLAPagedAttention), every row
+    absorbed: W_UK into the queries (one batched matmul over the heads), the kernel over the cached rows, W_UV into
+    its latent output. No host reads: CUDA-graph safe."""
+    from surge.kernels.mla_attention import write_mla_cache
+
+    lora = params.kv_lora_rank
+    num_heads, nope, v_dim = q.shape[1], params.head_dim - params.qk_rope_head_dim, params.head_dim_v
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"an MLA cache of {kv_cache.dtype} for {q.dtype} activations: only a cache of the model's "
+                         "dtype is supported (kv_cache_dtype='auto')")
+    cache = kv_cache[0]  # [num_blocks, block_size, 1, L + R]
+    write_mla_cache(kv_c, k_pe, cache, meta.slot_mapping)
+    w = kv_b_weight.view(num_heads, nope + v_dim, lora)
+    q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [T, H, L], head-major memory
+    o_lat = q.new_empty(num_heads, q.shape[0], lora).transpose(0, 1)
+    kernel(q_lat, q[..., nope:], cache, meta.block_table, meta.seq_lens_t, meta.query_start_loc_t,
+           num_seqs=meta.num_reqs, decode_only=meta.decode_only, scale=params.scale, out=o_lat)
+    return torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)  # [T, H, v]
 
 
 def _expanded(q: torch.Tensor, ctx: torch.Tensor, visible: torch.Tensor, kv_b_weight: torch.Tensor, scale: float,
