@@ -65,7 +65,7 @@ def mla_launch_policy(*, decode_only: bool, num_seqs: int, num_heads: int, dtype
 
 
 # Values that change from step to step must not pick a variant (Triton specializes ints that are 1 or 16-aligned).
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "stride_qh", "stride_oh"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "stride_qh", "stride_oh", "stride_pt", "stride_ph"])
 def _mla_attention_kernel(
         q_lat_ptr, q_pe_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         block_table_ptr, seq_lens_ptr, query_start_loc_ptr, num_seqs, qk_scale,
