@@ -8,7 +8,9 @@ One program owns BLOCK_Q query tokens x BLOCK_H query heads (one token's in deco
 decodes) run in the same launch with a causal mask; decode batches, and mixed steps of a few tokens, may split the KV
 sequence across programs and merge in a second launch (the paged attention kernel's merge: same partial layout).
 Every length is read from device memory and the grid comes from token and request counts, so a launch captured in a
-CUDA graph stays valid for any sequence lengths.
+CUDA graph stays valid for any sequence lengths. Requests with no cached context and at least `expand_min` new tokens
+(fresh prompts, which the caller attends to with keys and values expanded per head) are skipped: their rows are left
+as they were.
 """
 from __future__ import annotations
 
@@ -65,10 +67,11 @@ def mla_launch_policy(*, decode_only: bool, num_seqs: int, num_heads: int, dtype
 
 
 # Values that change from step to step must not pick a variant (Triton specializes ints that are 1 or 16-aligned).
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "stride_qh", "stride_oh", "stride_pt", "stride_ph"])
+@triton.jit(do_not_specialize=["num_seqs", "expand_min", "stride_bt", "stride_qh", "stride_oh", "stride_pt",
+                             "stride_ph"])
 def _mla_attention_kernel(
         q_lat_ptr, q_pe_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-        block_table_ptr, seq_lens_ptr, query_start_loc_ptr, num_seqs, qk_scale,
+        block_table_ptr, seq_lens_ptr, query_start_loc_ptr, num_seqs, expand_min, qk_scale,
         stride_qt, stride_qh, stride_pt, stride_ph, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
         NUM_HEADS: tl.constexpr, LORA: tl.constexpr, LORA_PAD: tl.constexpr, ROPE: tl.constexpr,
         ROPE_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -93,6 +96,9 @@ def _mla_attention_kernel(
         if tile_start >= q_len:
             return
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
+    if not DECODE:
+        if (seq_len == q_len) & (q_len >= expand_min):  # a fresh prompt the caller expands
+            return
     context_len = seq_len - q_len
 
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
@@ -214,11 +220,12 @@ class MLAPagedAttention(CompiledKernel):
 
     def __call__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, num_seqs: int, decode_only: bool,
-                 scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: float, out: torch.Tensor | None = None, expand_min: int | None = None) -> torch.Tensor:
         """q_lat: [T, H, L] (queries' nope channels through W_UK); q_pe: [T, H, R] (rotated); any token and head
         strides, unit stride on the last dimension. cache: [num_blocks, block_size, 1, L + R] in q's dtype;
         block_table: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] (tokens in the cache after this step);
-        query_start_loc: [num_seqs + 1] int32. Returns the attention-weighted latents [T, H, L] (into `out`)."""
+        query_start_loc: [num_seqs + 1] int32. expand_min: requests with no cached context and at least this many
+        new tokens are skipped (None: none). Returns the attention-weighted latents [T, H, L] (into `out`)."""
         num_tokens, num_heads, lora = q_lat.shape
         rope = q_pe.shape[2]
         if cache.dtype != q_lat.dtype or q_pe.dtype != q_lat.dtype:
@@ -233,7 +240,8 @@ class MLAPagedAttention(CompiledKernel):
         self.ensure(key)
         if out is None:
             out = torch.empty_like(q_lat)
-        _launch(key, q_lat, q_pe, cache, out, block_table, seq_lens, query_start_loc, num_tokens, num_seqs, scale)
+        _launch(key, q_lat, q_pe, cache, out, block_table, seq_lens, query_start_loc, num_tokens, num_seqs, scale,
+                _NEVER if expand_min is None else expand_min)
         return out
 
     def compile(self, key: MLAKey) -> object:
@@ -247,11 +255,14 @@ class MLAPagedAttention(CompiledKernel):
         table = torch.zeros(1, 16, dtype=torch.int32, device=dev)
         seq_lens = torch.ones(1, dtype=torch.int32, device=dev)
         query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-        return _launch(key, q_lat, q_pe, cache, out, table, seq_lens, query_start_loc, 1, 1, 1.0, warmup=True)
+        return _launch(key, q_lat, q_pe, cache, out, table, seq_lens, query_start_loc, 1, 1, 1.0, _NEVER, warmup=True)
+
+
+_NEVER = 2 ** 31 - 1  # an expand_min no request reaches
 
 
 def _launch(key: MLAKey, q_lat, q_pe, cache, out, block_table, seq_lens, query_start_loc, num_tokens: int,
-            num_seqs: int, scale: float, warmup: bool = False):
+            num_seqs: int, scale: float, expand_min: int, warmup: bool = False):
     launch = key.launch
     lora_pad = max(16, triton.next_power_of_2(key.kv_lora_rank))
     assert q_lat.stride(-1) == 1 and q_pe.stride(-1) == 1 and out.stride(-1) == 1 and cache.stride(-1) == 1
@@ -267,7 +278,7 @@ def _launch(key: MLAKey, q_lat, q_pe, cache, out, block_table, seq_lens, query_s
         part_ml = torch.empty(parts * 2, dtype=torch.float32, device=q_lat.device)
     else:  # never touched without splits
         part_acc = part_ml = torch.empty(0, dtype=torch.float32, device=q_lat.device)
-    args = (q_lat, q_pe, cache, out, part_acc, part_ml, block_table, seq_lens, query_start_loc, num_seqs,
+    args = (q_lat, q_pe, cache, out, part_acc, part_ml, block_table, seq_lens, query_start_loc, num_seqs, expand_min,
             scale * LOG2E, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0),
             out.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0))
     constexprs = dict(NUM_HEADS=key.num_heads, LORA=key.kv_lora_rank, LORA_PAD=lora_pad, ROPE=key.qk_rope_head_dim,

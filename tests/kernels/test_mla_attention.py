@@ -19,7 +19,8 @@ SCALE = 0.21
 
 DECODE = [(5, 1), (17, 1), (0, 1), (9, 1)]  # 5 blocks for the longest; last blocks partial
 MIXED = [(6, 1), (0, 7), (9, 5), (3, 1)]  # decode rows, a fresh prompt, a chunk after cached context
-LONG_MIXED = [(6, 1), (0, 40), (9, 27), (3, 1)]  # more than FEW_TOKENS tokens: one launch, no split
+# More than FEW_TOKENS tokens: one launch, no split; its fresh prompt of 70 tokens is expanded, not absorbed.
+LONG_MIXED = [(6, 1), (0, 70), (9, 27), (3, 1)]
 # shape -> (requests, num_sms, whether the launch splits the KV sequence)
 SHAPES = {"decode": (DECODE, 1, False), "decode-split": (DECODE, 132, True),
           "few-token-split": (MIXED, 132, True), "mixed": (LONG_MIXED, 132, False)}
@@ -127,6 +128,29 @@ def test_mla_kernel_matches_dense_reference(shape, heads, lora, rope, dtype, dev
     tol = TOL[dtype]
     expected = _dense_reference(q, latents, requests, w, heads, lora)
     torch.testing.assert_close(got.double().cpu(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("shape", ["few-token-split", "mixed"])
+@pytest.mark.parametrize("host_lengths", [True, False], ids=["eager", "captured"])
+def test_fresh_prompts_expand_only_with_host_lengths(shape, host_lengths, device, monkeypatch):
+    """An eager step's fresh prompts of EXPAND_MIN_TOKENS or more are attended to expanded (the kernel skips them);
+    a captured step's metadata has no host lengths, so every row goes through the kernel. Both equal the reference."""
+    import surge.attention.mla as mla
+
+    requests, num_sms, _ = SHAPES[shape]
+    heads, lora, rope = 16, 32, 16
+    q, new_rows, cache, meta, w, latents = _batch(requests, heads, lora, rope, torch.float32, device, seed=6)
+    expanded = []
+    monkeypatch.setattr(mla, "_expanded_fresh",
+                        lambda q, *a, inner=mla._expanded_fresh: expanded.append(q.shape[0]) or inner(q, *a))
+    if not host_lengths:
+        meta.seq_lens = []
+    got = _run(q, new_rows, cache, meta, w, lora, num_sms)
+    fresh = [n for c, n in requests if c == 0 and n >= mla.EXPAND_MIN_TOKENS]
+    assert expanded == (fresh if host_lengths else [])
+    assert fresh == ([70] if shape == "mixed" else [])  # the case tests what it says
+    expected = _dense_reference(q, latents, requests, w, heads, lora)
+    torch.testing.assert_close(got.double().cpu(), expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("num_sms", [1, 132], ids=["one-split", "split-kv"])
