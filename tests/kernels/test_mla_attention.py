@@ -263,3 +263,34 @@ def test_mla_warm_up_compiles_what_the_launch_runs(decode):
     backend.forward_mla(q, new_rows[:, :lora], new_rows[:, lora:], cache, meta, layer, w)
     torch.cuda.synchronize()
     assert (compiled(_mla_attention_kernel), compiled(_merge_splits_kernel)) == before
+
+
+@pytest.mark.parametrize("shape", ["decode-split", "few-token-split", "mixed"])
+def test_runtime_launches_are_among_the_warm_up_keys(shape, device):
+    """The keys a step dispatches (decode at a capture size, a few-token and a larger mixed step) are among those
+    start-up compiles: no compile lands inside a request or a graph capture."""
+    from surge.attention.triton_backend import TritonAttentionBackend, mla_warm_up_keys
+    from surge.kernels.mla_attention import MLAPagedAttention
+
+    requests, num_sms, _ = SHAPES[shape]
+    heads, lora, rope = 16, 32, 16
+    q, new_rows, cache, meta, w, _ = _batch(requests, heads, lora, rope, torch.float32, device, seed=2)
+    backend = TritonAttentionBackend()
+    kernel = backend._mla_kernels[q.device] = MLAPagedAttention(q.device, num_sms)
+    layer = _params(heads, lora, rope)
+    warm = set(mla_warm_up_keys(kernel, (layer,), BLOCK, torch.float32, [1, 2, 4, 8], 8))
+    dispatched = []
+    kernel.ensure = dispatched.append
+    backend.forward_mla(q, new_rows[:, :lora], new_rows[:, lora:], cache, meta, layer, w)
+    assert len(dispatched) == 1 and dispatched[0] in warm
+
+
+def test_triton_backend_captures_mla_layers_and_torch_does_not():
+    """The Triton MLA path reads lengths on the device: a DeepSeek model's steps may be captured in CUDA graphs.
+    The torch path reads host lengths: not."""
+    from surge.attention.torch_backend import TorchAttentionBackend
+    from surge.attention.triton_backend import TritonAttentionBackend
+
+    layers = (_params(16, 512, 64),)
+    assert TritonAttentionBackend().supports_cuda_graphs_for(layers)
+    assert not TorchAttentionBackend().supports_cuda_graphs_for(layers)
