@@ -109,9 +109,16 @@ def _mla_attention_kernel(
     q_pos = context_len + tok
     token = (q_start + tok).to(tl.int64)
     lat = tl.arange(0, LORA_PAD)
-    lat_ok = lat < LORA
     rope = tl.arange(0, ROPE_PAD)
-    rope_ok = rope < ROPE
+    # Masks the compiler sees as constant along a row keep the cache loads vectorized (512 and 64: no padding).
+    if LORA == LORA_PAD:
+        lat_ok = tl.full([LORA_PAD], 1, tl.int1)
+    else:
+        lat_ok = lat < LORA
+    if ROPE == ROPE_PAD:
+        rope_ok = tl.full([ROPE_PAD], 1, tl.int1)
+    else:
+        rope_ok = rope < ROPE
     q_lat = tl.load(q_lat_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + lat[None, :],
                     mask=row_ok[:, None] & lat_ok[None, :], other=0.0)
     q_pe = tl.load(q_pe_ptr + token[:, None] * stride_pt + head[:, None] * stride_ph + rope[None, :],
