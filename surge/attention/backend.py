@@ -158,13 +158,14 @@ class AttentionBackend(ABC):
         """Multi-head latent attention (params.is_mla). q: [T, H, nope + rope], its rope channels rotated; kv_c:
         [T, kv_lora_rank], the normed latent; k_pe: [T, rope], rotated; kv_cache: an MLAAttentionSpec's layout;
         kv_b_weight: [H * (nope + head_dim_v), kv_lora_rank], this rank's heads of kv_b_proj. Writes [kv_c | k_pe]
-        at meta.slot_mapping; returns [T, H, head_dim_v]. Plain torch on every device until an MLA kernel exists
-        (surge/attention/mla.py)."""
+        at meta.slot_mapping; returns [T, H, head_dim_v]. Plain torch here (surge/attention/mla.py); the Triton backend
+        runs its kernel."""
         from surge.attention.mla import mla_forward
         return mla_forward(q, kv_c, k_pe, kv_cache, meta, params, kv_b_weight)
 
     def supports_cuda_graphs_for(self, layers: tuple[AttentionParams, ...]) -> bool:
-        """Whether steps of a model with these layers may be captured: the torch MLA path reads host lengths."""
+        """Whether steps of a model with these layers may be captured: the torch MLA path reads host lengths (a
+        backend whose MLA path reads them on the device says so)."""
         return self.supports_cuda_graphs and not any(p.is_mla for p in layers)
 
 

@@ -1,5 +1,5 @@
-"""Multi-head latent attention (DeepSeek V2/V3) in plain torch over a latent KV cache: the CPU path, and every
-device's until an MLA kernel exists.
+"""Multi-head latent attention (DeepSeek V2/V3) over a latent KV cache: in plain torch (the CPU path, and the
+reference), and absorbed through the Triton kernel (surge/kernels/mla_attention.py: the CUDA path).
 
 A token caches one row [kv_c | k_pe]: its normed latent (kv_lora_rank L) and its rotated rope key (R), shared by
 every head. kv_b_proj's weight W [H * (nope + v), L] gives head h's keys and values: k_h = [W_UK_h kv_c | k_pe],
@@ -9,6 +9,9 @@ v_h = W_UV_h kv_c. Two ways to attend, equal in exact arithmetic:
 - absorbed (decode rows): q_h's nope channels through W_UK_h^T into latent space, scores straight against the cached
   rows ([q_lat | q_pe] . [kv_c | k_pe]), the probabilities weight the cached latents, and W_UV_h maps the result to v:
   L + R values read per position, nothing expanded (the point of the latent cache).
+The Triton path absorbs every row, prefill chunks included (the kernel masks causally), except the fresh prompts of an
+eager step, which it expands: the kernel reads every length from device memory, so its steps can be captured in CUDA
+graphs, mixed ones too.
 """
 from __future__ import annotations
 
@@ -71,6 +74,60 @@ def mla_forward(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cach
             out[start:start + n] = _expanded(q[start:start + n], ctx, visible, kv_b_weight, params.scale, lora,
                                              nope, v_dim)
     return out
+
+
+# A fresh prompt (nothing cached before it) of at least this many tokens is attended to with keys and values expanded
+# per head from its own rows (flash attention over qk_head_dim keys), not absorbed: in latent space every query tile
+# reloads the whole context and dots kv_lora_rank + qk_rope_head_dim channels per pair instead of qk_head_dim.
+EXPAND_MIN_TOKENS = 64
+
+
+def mla_forward_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: AttentionMetadata, params: AttentionParams, kv_b_weight: torch.Tensor,
+                       kernel) -> torch.Tensor:
+    """mla_forward's contract through the Triton kernel (`kernel`: the device's MLAPagedAttention): W_UK into the
+    queries (one batched matmul over the heads), the kernel over the cached rows, W_UV into its latent output. The
+    kernel reads lengths on the device only, so a captured step replays for any lengths; an eager step's fresh prompts
+    of EXPAND_MIN_TOKENS or more (chosen from host lengths: a capture's metadata has none) run expanded instead.
+    A request's host length is exact or, scheduled ahead of a verdict, an upper bound that still exceeds its new
+    tokens: either way only truly fresh prompts are picked, the same ones the kernel skips by its device lengths."""
+    from surge.kernels.mla_attention import write_mla_cache
+
+    lora = params.kv_lora_rank
+    num_heads, nope, v_dim = q.shape[1], params.head_dim - params.qk_rope_head_dim, params.head_dim_v
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"an MLA cache of {kv_cache.dtype} for {q.dtype} activations: only a cache of the model's "
+                         "dtype is supported (kv_cache_dtype='auto')")
+    cache = kv_cache[0]  # [num_blocks, block_size, 1, L + R]
+    write_mla_cache(kv_c, k_pe, cache, meta.slot_mapping)
+    w = kv_b_weight.view(num_heads, nope + v_dim, lora)
+    qsl = meta.query_start_loc
+    fresh = [] if q.is_cuda and torch.cuda.is_current_stream_capturing() else [
+        (qsl[r], qsl[r + 1]) for r, seq_len in enumerate(meta.seq_lens)
+        if seq_len == qsl[r + 1] - qsl[r] >= EXPAND_MIN_TOKENS]
+    q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [T, H, L], head-major memory
+    o_lat = q.new_empty(num_heads, q.shape[0], lora).transpose(0, 1)
+    kernel(q_lat, q[..., nope:], cache, meta.block_table, meta.seq_lens_t, meta.query_start_loc_t,
+           num_seqs=meta.num_reqs, decode_only=meta.decode_only, scale=params.scale, out=o_lat,
+           expand_min=EXPAND_MIN_TOKENS if fresh else None)
+    out = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+    for start, end in fresh:  # rows the kernel skipped
+        out[start:end] = _expanded_fresh(q[start:end], kv_c[start:end], k_pe[start:end], kv_b_weight, params.scale,
+                                         nope, v_dim)
+    return out
+
+
+def _expanded_fresh(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_weight: torch.Tensor,
+                    scale: float, nope: int, v_dim: int) -> torch.Tensor:
+    """A fresh prompt's queries [n, H, nope + R] over its own rows, causal; [n, H, v]. The values are zero-padded to
+    the keys' head size, which flash attention kernels require of the three."""
+    num_heads, qk_dim = q.shape[1], q.shape[2]
+    kv = F.linear(kv_c, kv_b_weight).view(kv_c.shape[0], num_heads, nope + v_dim)
+    keys = torch.cat((kv[..., :nope], k_pe[:, None, :].expand(-1, num_heads, -1)), dim=-1)
+    values = F.pad(kv[..., nope:], (0, qk_dim - v_dim)) if v_dim < qk_dim else kv[..., nope:]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                         is_causal=True, scale=scale)
+    return out.transpose(0, 1)[..., :v_dim]
 
 
 def _expanded(q: torch.Tensor, ctx: torch.Tensor, visible: torch.Tensor, kv_b_weight: torch.Tensor, scale: float,

@@ -21,16 +21,27 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._kernels: dict[torch.device, object] = {}
+        self._mla_kernels: dict[torch.device, object] = {}
 
     def kernel(self, device: torch.device):
         """The device's PagedAttention wrapper: `dispatch` gives warm-up keys, `compile_many` compiles them."""
         if device not in self._kernels:
             from surge.kernels.attention import PagedAttention
 
-            num_sms = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-                       else _CPU_NUM_SMS)
-            self._kernels[device] = PagedAttention(device, num_sms)
+            self._kernels[device] = PagedAttention(device, _num_sms(device))
         return self._kernels[device]
+
+    def mla_kernel(self, device: torch.device):
+        """The device's MLAPagedAttention wrapper (multi-head latent attention over the latent cache)."""
+        if device not in self._mla_kernels:
+            from surge.kernels.mla_attention import MLAPagedAttention
+
+            self._mla_kernels[device] = MLAPagedAttention(device, _num_sms(device))
+        return self._mla_kernels[device]
+
+    def supports_cuda_graphs_for(self, layers: tuple[AttentionParams, ...]) -> bool:
+        """Every path reads lengths on the device, MLA's included."""
+        return True
 
     def warm_up(self, device: torch.device, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,
                 decode_sizes: list[int], max_num_seqs: int, max_workers: int,
@@ -39,10 +50,13 @@ class TritonAttentionBackend(AttentionBackend):
         distinct layer), compiled before serving, so no request or graph capture waits for the compiler."""
         if device.type != "cuda":
             return 0
-        kernel = self.kernel(device)
-        layers = tuple(p for p in layers if not p.is_mla)  # MLA runs the torch path (forward_mla) for now
-        keys = warm_up_keys(kernel, layers, block_size, dtype, decode_sizes, max_num_seqs, kv_cache_dtype)
-        return kernel.compile_many(keys, max_workers=max_workers)
+        kernel, mla_kernel = self.kernel(device), self.mla_kernel(device)
+        keys = warm_up_keys(kernel, tuple(p for p in layers if not p.is_mla), block_size, dtype, decode_sizes,
+                            max_num_seqs, kv_cache_dtype)
+        mla_keys = mla_warm_up_keys(mla_kernel, tuple(p for p in layers if p.is_mla), block_size, dtype,
+                                    decode_sizes, max_num_seqs)
+        return (kernel.compile_many(keys, max_workers=max_workers)
+                + mla_kernel.compile_many(mla_keys, max_workers=max_workers))
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, params: AttentionParams, prologue=None,
                 sinks=None, k_scale=None, v_scale=None):
@@ -61,6 +75,14 @@ class TritonAttentionBackend(AttentionBackend):
             num_seqs=meta.num_reqs, decode_only=meta.decode_only, sliding_window=params.sliding_window,
             scale=params.scale, logit_softcap=params.logit_softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
+    def forward_mla(self, q, kv_c, k_pe, kv_cache, meta: AttentionMetadata, params: AttentionParams, kv_b_weight):
+        from surge.attention.mla import mla_forward_triton
+        return mla_forward_triton(q, kv_c, k_pe, kv_cache, meta, params, kv_b_weight, self.mla_kernel(q.device))
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _CPU_NUM_SMS
+
 
 def warm_up_keys(kernel, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,
                  decode_sizes: list[int], max_num_seqs: int, kv_cache_dtype: torch.dtype | None = None) -> list:
@@ -73,6 +95,19 @@ def warm_up_keys(kernel, layers: tuple[AttentionParams, ...], block_size: int, d
                             head_dim=p.head_dim, block_size=block_size, dtype=dtype,
                             sliding=p.sliding_window is not None, softcap=p.logit_softcap is not None,
                             sinks=p.has_sinks, num_tokens=t, fp8_kv=kv_cache_dtype == FP8_KV_DTYPE)
+            for p in layers
+            for decode, n, t in [(False, max_num_seqs, FEW_TOKENS), (False, max_num_seqs, None)]
+            + [(True, n, None) for n in decode_sizes]]
+
+
+def mla_warm_up_keys(kernel, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,
+                     decode_sizes: list[int], max_num_seqs: int) -> list:
+    """The MLA kernel's launch keys, as warm_up_keys gives the paged kernel's: per distinct MLA layer, the few-token
+    and the general mixed launch and each decode capture size."""
+    from surge.kernels.attention import FEW_TOKENS
+
+    return [kernel.dispatch(decode_only=decode, num_seqs=n, num_heads=p.num_heads, kv_lora_rank=p.kv_lora_rank,
+                            qk_rope_head_dim=p.qk_rope_head_dim, block_size=block_size, dtype=dtype, num_tokens=t)
             for p in layers
             for decode, n, t in [(False, max_num_seqs, FEW_TOKENS), (False, max_num_seqs, None)]
             + [(True, n, None) for n in decode_sizes]]

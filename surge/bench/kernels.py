@@ -713,7 +713,7 @@ def check_wo_gemm(batches: tuple[int, ...] = (1, 8, 16, 32, 64, 128)) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes")
-    parser.add_argument("--only", choices=["layers", "attention", "sampling", "moe", "quant", "gemv", "wo"],
+    parser.add_argument("--only", choices=["layers", "attention", "mla", "sampling", "moe", "quant", "gemv", "wo"],
                         help="one group of kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -724,6 +724,9 @@ def main() -> None:
         check_norm_rotary_activation()
     if args.only in (None, "attention"):
         check_attention(args.quick)
+    if args.only in (None, "mla"):
+        from surge.bench.kernels_mla import check_mla
+        check_mla(args.quick, bench, report, max_err)
     if args.only in (None, "sampling"):
         check_sampling(args.quick)
     if args.only in (None, "moe"):

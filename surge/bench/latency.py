@@ -89,7 +89,7 @@ def run_latency(args: argparse.Namespace) -> None:
     dense_params = weights.params_per_token - embed
     if not mc.hf_config.get("tie_word_embeddings"):
         dense_params -= embed
-    kv_bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+    kv_bytes_per_token, kv_line = _kv_cache_per_token(engine)
     copy_bw = measure_copy_bandwidth(dev)
     peak = measure_gemm_peak(dev, mc.dtype)
     active = (f", {weights.params_per_token / 1e9:.2f}B active per token: MBU counts the experts a decode step "
@@ -98,6 +98,7 @@ def run_latency(args: argparse.Namespace) -> None:
     print(f"model {mc.model} ({params / 1e9:.2f}B params{active}, {weight_bytes / 1e9:.2f} GB, {mc.dtype}, {dev}); "
           f"engine ready in {engine.startup_seconds:.1f} s; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s, "
           f"{mc.dtype} GEMM peak {peak / 1e12:.1f} TFLOP/s", flush=True)
+    print(kv_line, flush=True)
     lora = make_lora_bench(engine, args)
     if lora is not None:  # peer_breadth's: every adapter loaded first, and each batch's workload of seed 0
         print(f"{lora.describe()}; warm-up loading them {warm_up_adapters(engine, lora, mc.vocab_size):.1f} s",
@@ -132,6 +133,28 @@ def run_latency(args: argparse.Namespace) -> None:
             print(f"batch {bs} ratio{cases[1][0]} / base (decode tok/s): {rates[1] / rates[0]:.3f}", flush=True)
     if args.compare_hf:
         _compare_hf(engine, args)
+
+
+def _kv_cache_per_token(engine) -> tuple[int, str]:
+    """Bytes of KV cache per token over the whole model, from its layers' own cache specs (an MLA layer caches its
+    latent and rope key, not per-head keys and values), and a line with the tokens a GB holds; for MLA layers also
+    beside a plain multi-head cache of the same model (keys of qk_head_dim and values of v_head_dim per head), the
+    point of the latent cache."""
+    from surge.worker.model_runner import layer_kv_specs
+
+    model, config = engine.executor.model, engine.config
+    specs = layer_kv_specs(model, config)
+    per_token = sum(spec.page_size_bytes // spec.block_size for spec in specs)
+    line = f"KV cache: {per_token} bytes per token ({len(specs)} layers), {1e9 / per_token:,.0f} tokens per GB"
+    mla = [attn.params for attn in model.attention_layers() if attn.params.is_mla]
+    if mla:
+        itemsize = specs[0].dtype.itemsize
+        mha = sum(p.num_heads * (p.head_dim + p.head_dim_v) * itemsize for p in mla)
+        mha += sum(spec.page_size_bytes // spec.block_size for spec, attn in zip(specs, model.attention_layers())
+                   if not attn.params.is_mla)
+        line += (f"; a plain MHA cache of this model: {mha} bytes per token, {1e9 / mha:,.0f} tokens per GB "
+                 f"(the latent cache holds {mha / per_token:.1f}x the tokens)")
+    return per_token, line
 
 
 class _PhaseTimer:

@@ -103,6 +103,22 @@ def test_latency_reports_hardware_rates(capsys):
     assert "measured copy bandwidth" in out and "GEMM peak" in out
     assert len(re.findall(r"TFLOP/s \(MFU .*GB/s \(MBU", out)) == 2
     assert "greedy identical: True" in out
+    assert re.search(r"KV cache: \d+ bytes per token \(\d+ layers\), [\d,]+ tokens per GB\n", out)  # no MLA
+
+
+def test_latency_kv_line_sets_the_latent_beside_a_plain_cache(tmp_path):
+    """DeepSeek's KV bytes per token come from its MLA cache spec (latent 32 + rope key 8, float32, 3 layers), beside
+    a plain multi-head cache of the same model: 4 heads x (keys 16 + 8, values 12) per layer."""
+    from surge import LLM
+    from surge.bench.latency import _kv_cache_per_token
+    from tiny_dsv import make_tiny_model
+
+    llm = LLM(str(make_tiny_model("deepseek-v2", tmp_path)), dtype="float32", block_size=4, kv_cache_memory=1 << 20,
+              max_model_len=64)
+    per_token, line = _kv_cache_per_token(llm.engine)
+    assert per_token == 3 * 40 * 4
+    assert line == ("KV cache: 480 bytes per token (3 layers), 2,083,333 tokens per GB; a plain MHA cache of this "
+                    "model: 1728 bytes per token, 578,704 tokens per GB (the latent cache holds 3.6x the tokens)")
 
 
 def test_unknown_preset_is_refused(capsys):

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_parity
 from hf_parity import check_all, check_every_step
-from surge import LLM
+from surge import LLM, SamplingParams
 from surge.config import ModelConfig
 from surge.core.kv_cache.spec import MLAAttentionSpec
 from surge.model.loader.base import build_model
@@ -34,6 +34,29 @@ def tiny(request, tmp_path_factory):
 
 def test_deepseek_matches_hf(tiny):
     check_all(*tiny)
+
+
+def test_deepseek_triton_mla_matches_hf(tmp_path, monkeypatch):
+    """The CUDA path on the CPU (Triton's interpreter), on V3 (low-rank queries, yarn's mscale): every row, prefill
+    chunks included, absorbed through the MLA kernel, decode rows split over the KV sequence; HF's logits at every
+    step and its greedy tokens, with prefill in 7-token chunks beside decodes. Kept small: the interpreter is slow."""
+    import surge.worker.model_runner as model_runner
+    from surge.attention.triton_backend import TritonAttentionBackend
+    from surge.kernels.mla_attention import MLAPagedAttention
+
+    monkeypatch.setattr(model_runner, "default_backend_name", lambda device: "triton")
+    # One SM: the fewest splits that still split (the interpreter runs every program one after another)
+    monkeypatch.setattr(TritonAttentionBackend, "mla_kernel", lambda self, device: MLAPagedAttention(device, 1))
+    path = make_tiny_model("deepseek-v3", tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=7,
+              max_model_len=64)
+    records = hf_parity.record_logits(llm)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 11)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(records) == 4 * len(prompts)
+    hf_parity._check("deepseek-v3-triton", records, prompts, outs, hf, 256)
 
 
 def test_deepseek_caches_the_latent(tiny):
