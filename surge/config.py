@@ -63,6 +63,10 @@ class ModelConfig:
     classifier_token_ids: tuple[int, ...] = ()
     # A multimodal model's most items per prompt, by modality ({"image": 4}); a modality absent: the default.
     limit_mm_per_prompt: dict = field(default_factory=dict, hash=False, compare=False)
+    # Where images may come from besides data: URLs (surge/multimodal/media.py): file:// URLs and paths under this
+    # directory, and http(s) URLs of these hosts. Both off by default.
+    allowed_local_media_path: str | None = field(default=None, compare=False)
+    allowed_media_domains: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.text_config is None:

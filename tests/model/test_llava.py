@@ -89,7 +89,7 @@ def test_chat_with_data_url_image(tiny, llm):
 @pytest.mark.parametrize("url, message", [
     ("data:image/png;base64,bm90IGFuIGltYWdl", "cannot decode the image"),
     ("data:image/png;base64,%%%", "not valid base64"),
-    ("https://example.com/cat.png", "only data: URLs"),
+    ("https://example.com/cat.png", "--allowed-media-domains"),
     ("/etc/passwd", "--allowed-local-media-path"),
 ])
 def test_bad_image_urls_are_clear_errors(llm, url, message):
