@@ -356,6 +356,7 @@ class ModelRunner:
         embeds = self.model.embed_input_ids(self.inputs.input_ids[:batch.num_tokens])
         for row, rid, f, a, b in spans:
             embeds[row:row + b - a] = cache.embeds[f.identifier][a:b]
+        for _, rid, f, _, b in spans:  # after every copy: a prompt may hold one image twice
             if b == f.length:
                 cache.release(f.identifier, rid)
         return embeds
