@@ -326,9 +326,14 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Schedule and launch step N+1 before step N's tokens reach the host: the host's work hides behind the device's.
     async_scheduling: bool = False
+    # Image tokens the vision encoder may produce in one step (images not in its cache yet); None:
+    # max_num_batched_tokens. One image larger than this (without chunked prefill: one prompt's images) runs alone.
+    max_num_encoder_input_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        if self.max_num_encoder_input_tokens is None:
+            object.__setattr__(self, "max_num_encoder_input_tokens", self.max_num_batched_tokens)
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_num_encoder_input_tokens"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -48,6 +48,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # "fp8" (fp8_e4m3): float8 keys and values, per-tensor scales
     max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len when chunked prefill is off
     max_num_seqs: int = 128
+    max_num_encoder_input_tokens: int | None = None  # None: max_num_batched_tokens
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE layers: whole experts per rank (EP size = TP size)
@@ -124,6 +125,9 @@ class EngineArgs:
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="token budget per step")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        g.add_argument("--max-num-encoder-input-tokens", type=int, default=d.max_num_encoder_input_tokens,
+                       help="image tokens the vision encoder may produce per step (default: "
+                       "--max-num-batched-tokens); a prompt chunk whose new image does not fit waits")
         g.add_argument("--engine-seed", type=int, default=d.seed, help="seed of the global RNG")
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                        help="launch each step before the previous step's tokens reach the host (default: on with "
@@ -242,6 +246,7 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=self.max_num_seqs, max_model_len=model_config.max_model_len,
                                              enable_chunked_prefill=self.enable_chunked_prefill,
+                                             max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
                                              # on by default where the device runs apart from the host
                                              async_scheduling=device.type == "cuda" if self.async_scheduling is None
                                              else bool(self.async_scheduling)),
