@@ -13,7 +13,9 @@ from urllib.parse import unquote, urlsplit
 
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # a decompression bomb's guard: 8192 x 8192
 MAX_MEDIA_BYTES = 32 << 20  # the most bytes one image may have, read from a file or fetched
-MEDIA_FETCH_TIMEOUT_S = 10.0  # the most seconds one http(s) fetch may take, from connecting to its last byte
+# The most seconds one http(s) fetch's body may take (checked as it arrives); connecting, and each read of the
+# headers, are bounded by it too.
+MEDIA_FETCH_TIMEOUT_S = 10.0
 
 _DOMAINS_FLAG = "--allowed-media-domains"
 _LOCAL_FLAG = "--allowed-local-media-path"
