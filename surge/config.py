@@ -63,6 +63,10 @@ class ModelConfig:
     classifier_token_ids: tuple[int, ...] = ()
     # A multimodal model's most items per prompt, by modality ({"image": 4}); a modality absent: the default.
     limit_mm_per_prompt: dict = field(default_factory=dict, hash=False, compare=False)
+    # Where images may come from besides data: URLs (surge/multimodal/media.py): file:// URLs and paths under this
+    # directory, and http(s) URLs of these hosts. Both off by default.
+    allowed_local_media_path: str | None = field(default=None, compare=False)
+    allowed_media_domains: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.text_config is None:
@@ -322,9 +326,14 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Schedule and launch step N+1 before step N's tokens reach the host: the host's work hides behind the device's.
     async_scheduling: bool = False
+    # Image tokens the vision encoder may produce in one step (images not in its cache yet); None:
+    # max_num_batched_tokens. One image larger than this (without chunked prefill: one prompt's images) runs alone.
+    max_num_encoder_input_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        if self.max_num_encoder_input_tokens is None:
+            object.__setattr__(self, "max_num_encoder_input_tokens", self.max_num_batched_tokens)
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_num_encoder_input_tokens"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -94,6 +94,22 @@ def make_workload(num_prompts: int, input_len: int, output_len: int, range_ratio
              length(output_len, output_len_max)) for _ in range(num_prompts)]
 
 
+def parse_image_size(text: str, flag: str = "--image-size") -> tuple[int, int]:
+    """'WIDTHxHEIGHT' -> (width, height), each >= 1."""
+    width, sep, height = text.lower().partition("x")
+    if not (sep and width.isdigit() and height.isdigit() and int(width) >= 1 and int(height) >= 1):
+        raise ValueError(f"{flag}={text!r} must be WIDTHxHEIGHT, e.g. 1024x1024")
+    return int(width), int(height)
+
+
+def random_image(size: tuple[int, int], seed: int):
+    """A PIL image of uniform random pixels: distinct per seed, so no two share the encoder or prefix cache."""
+    import numpy as np
+    from PIL import Image
+    width, height = size
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
 def build_engine(args: argparse.Namespace) -> EngineCore:
     """The engine of the engine flags and add_model_args's (--preset, --enforce-eager, --warmup-workers)."""
     engine_args = EngineArgs.from_cli_args(args)

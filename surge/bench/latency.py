@@ -1,15 +1,18 @@
 """`surge bench latency`: per batch size, prefill time and time per output token, with what the hardware achieved:
 decode GB/s (weights + KV read per step; of a mixture of experts, the experts reached) and MBU against a copy
-bandwidth measured in the same run, prefill TFLOP/s and MFU against a GEMM peak measured in the same run."""
+bandwidth measured in the same run, prefill TFLOP/s and MFU against a GEMM peak measured in the same run; for a
+multimodal model, the vision encoder's time per image (--image-size)."""
 from __future__ import annotations
 
 import argparse
 import time
 
+import msgspec
+
 import torch
 
-from surge.bench.common import (ActiveWeights, add_model_args, build_engine, hf_model_for, make_workload, run_engine,
-                                sync_device)
+from surge.bench.common import (ActiveWeights, add_model_args, build_engine, hf_model_for, make_workload,
+                                parse_image_size, random_image, run_engine, sync_device)
 from surge.bench.lora import add_lora_bench_args, make_lora_bench, resolve_lora_args, warm_up_adapters
 from surge.bench.speculative import add_speculative_args, run_speculative_latency
 
@@ -22,6 +25,8 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=256)
     g.add_argument("--repeats", type=int, default=2, help="timed runs per case (the best is reported)")
     g.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate (batch 1 decode)")
+    g.add_argument("--image-size", default="1024x1024", metavar="WxH",
+                   help="a multimodal model: the size of the random images its encoder time per image is taken on")
     g.add_argument("--breakdown", action="store_true",
                    help="split each decode step into device time (forward, logits + sampling) and host time")
     add_speculative_args(g)  # with --speculative-config: with and without it, in one run
@@ -83,7 +88,7 @@ def run_latency(args: argparse.Namespace) -> None:
     mc, dev = engine.config.model_config, engine.config.device
     weights = ActiveWeights.of(engine.executor.model)
     params, weight_bytes = weights.params, weights.nbytes
-    embed = mc.vocab_size * mc.hf_config["hidden_size"]
+    embed = mc.vocab_size * mc.hidden_size  # the language model's (a VLM nests it in text_config)
     # Per prompt token: the embedding is a lookup, the LM head runs once per sequence in prefill; a mixture of
     # experts multiplies each token by its top-k experts only.
     dense_params = weights.params_per_token - embed
@@ -105,6 +110,7 @@ def run_latency(args: argparse.Namespace) -> None:
               flush=True)
     else:
         run_engine(engine, make_workload(2, 16, 4, 0, mc.vocab_size, 1), show_progress=False)  # warm-up
+    _encoder_latency(engine, parse_image_size(args.image_size), args.repeats)
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         workload = make_workload(bs, args.input_len, args.output_len, 0.0, mc.vocab_size, 0 if lora else bs)
         cases = [("", None, 0)] if lora is None else [
@@ -120,7 +126,7 @@ def run_latency(args: argparse.Namespace) -> None:
             decode_bytes = weights.step_bytes(bs) + bs * ctx * kv_bytes_per_token + adapter_bytes
             tokens = bs * args.input_len
             flops = 2 * dense_params * tokens + 2 * bs * embed
-            flops += 2 * mc.num_layers * mc.hf_config["num_attention_heads"] * mc.head_dim * bs * args.input_len ** 2
+            flops += 2 * mc.num_layers * mc.text_config.num_attention_heads * mc.head_dim * bs * args.input_len ** 2
             read = f", {adapter_bytes / 1e6:.1f} MB of it adapters" if adapter_bytes else ""
             print(f"batch {bs:4d}{tag} in {args.input_len} out {args.output_len}: prefill {prefill * 1e3:8.1f} ms "
                   f"{flops / prefill / 1e12:7.1f} TFLOP/s (MFU {flops / prefill / peak:5.1%}) | decode "
@@ -155,6 +161,42 @@ def _kv_cache_per_token(engine) -> tuple[int, str]:
         line += (f"; a plain MHA cache of this model: {mha} bytes per token, {1e9 / mha:,.0f} tokens per GB "
                  f"(the latent cache holds {mha / per_token:.1f}x the tokens)")
     return per_token, line
+
+
+def _encoder_latency(engine, size: tuple[int, int], repeats: int) -> None:
+    """A multimodal model's vision encoder (the runner's path: processed pixels -> embeddings) per image, at batch 1
+    and 8 distinct images, best of repeats; nothing for a text-only model."""
+    from surge.engine.input_processor import InputProcessor
+    from surge.worker.encoder_cache import EncoderCache
+
+    runner = getattr(engine.executor, "runner", None)
+    if runner is None or not hasattr(runner.model, "embed_images"):
+        return
+    processor = InputProcessor(engine.config, tokenizer=None)
+    try:
+        placeholder = processor.image_placeholder()
+        _, [feature] = processor.process_images(placeholder, {"image": [random_image(size, 0)]},
+                                                add_special_tokens=False)
+    except ValueError as e:  # a preset has no processor files
+        print(f"encoder: not measured ({e})", flush=True)
+        return
+    device = engine.config.device
+    times = {}
+    for batch in (1, 8):
+        # Distinct identifiers, so the cache encodes every one.
+        needed = [(f"r{i}", msgspec.structs.replace(feature, identifier=f"bench-{i}")) for i in range(batch)]
+        best = float("inf")
+        with torch.inference_mode():
+            for _ in range(repeats + 1):  # the first is a warm-up
+                cache = EncoderCache(device)
+                sync_device(device)
+                start = time.perf_counter()
+                cache.encode(runner.model, needed)
+                sync_device(device)
+                best = min(best, time.perf_counter() - start)
+        times[batch] = best / batch
+    print(f"encoder: {size[0]}x{size[1]} image -> {feature.length} tokens: {times[1] * 1e3:.2f} ms per image at "
+          f"batch 1, {times[8] * 1e3:.2f} ms per image at batch 8 ({1 / times[8]:.1f} images/s)", flush=True)
 
 
 class _PhaseTimer:

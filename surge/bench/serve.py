@@ -1,13 +1,16 @@
 """`surge bench serve`: an online benchmark against any OpenAI-compatible server (Surge, vLLM, ...).
 
-Random-token prompts (fixed or ranged lengths) sent at a Poisson rate (or all at once) under a concurrency cap,
-streamed; reports TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99), request and token throughput and
-goodput under SLOs, and writes a JSON result and a PNG chart of the latency distributions.
+Random-token prompts (fixed or ranged lengths), with random images for a multimodal model (--image-size,
+--images-per-prompt: base64 JPEG image_url parts of Chat), sent at a Poisson rate (or all at once) under a
+concurrency cap, streamed; reports TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99), request, token and
+image throughput and goodput under SLOs, and writes a JSON result and a PNG chart of the latency distributions.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import json
 import math
 import random
@@ -15,6 +18,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from surge.bench.common import parse_image_size, random_image
 
 _SLO_KEYS = ("ttft", "tpot", "e2e")
 # Words for chat prompts, which must be text: about one token each in common vocabularies.
@@ -45,6 +50,10 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs a request must meet to count as good, e.g. ttft:500 tpot:50 (keys: ttft, tpot, e2e)")
+    g.add_argument("--image-size", default=None, metavar="WxH",
+                   help="an image workload (with --endpoint chat): random images of this size, e.g. 1024x1024, "
+                   "sent as base64 JPEG image_url parts; each request's images are distinct")
+    g.add_argument("--images-per-prompt", type=int, default=1, help="images per request with --image-size")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("output")
     g.add_argument("--result-json", default="bench-serve.json", help="where to write the result")
@@ -66,8 +75,9 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
 
 
-def make_prompts(args: argparse.Namespace) -> list[tuple[list[int] | str, int, int]]:
-    """(prompt, input length, output length) per request."""
+def make_prompts(args: argparse.Namespace) -> list[tuple[list[int] | str | list[dict], int, int]]:
+    """(prompt, input length, output length) per request; with images, the prompt is a message's content parts
+    (its text, then the images)."""
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -75,6 +85,13 @@ def make_prompts(args: argparse.Namespace) -> list[tuple[list[int] | str, int, i
         raise ValueError(f"--range-ratio={args.range_ratio} must be in [0, 1)")
     if args.vocab_size <= 100:
         raise ValueError(f"--vocab-size={args.vocab_size} must be > 100 (ids below 100 are skipped: often special)")
+    image_size = None
+    if args.image_size is not None:
+        image_size = parse_image_size(args.image_size)
+        if args.endpoint != "chat":
+            raise ValueError("--image-size needs --endpoint chat (images are chat content parts)")
+        if args.images_per_prompt < 1:
+            raise ValueError(f"--images-per-prompt={args.images_per_prompt} must be >= 1")
     rng = random.Random(args.seed)
 
     def length(mean: int) -> int:
@@ -87,8 +104,18 @@ def make_prompts(args: argparse.Namespace) -> list[tuple[list[int] | str, int, i
             prompt = [rng.randrange(100, args.vocab_size) for _ in range(n_in)]
         else:
             prompt = " ".join(rng.choice(_WORDS) for _ in range(n_in))
+        if image_size is not None:
+            images = [_image_part(image_size, rng.randrange(1 << 62)) for _ in range(args.images_per_prompt)]
+            prompt = [{"type": "text", "text": prompt}, *images]
         out.append((prompt, n_in, n_out))
     return out
+
+
+def _image_part(size: tuple[int, int], seed: int) -> dict:
+    buf = io.BytesIO()
+    random_image(size, seed).save(buf, format="JPEG", quality=90)
+    url = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
@@ -213,7 +240,8 @@ def _summary(values: list[float]) -> dict[str, float]:
             "p99_ms": pct(0.99) * 1000}
 
 
-def summarize(results: list[RequestResult], duration: float, slos: dict[str, float]) -> dict:
+def summarize(results: list[RequestResult], duration: float, slos: dict[str, float], images_per_request: int = 0
+              ) -> dict:
     ok = [r for r in results if r.error is None]
     tpots = [r.tpot for r in ok if r.tpot is not None]
     good = [r for r in ok if r.ttft <= slos.get("ttft", math.inf) and r.e2e <= slos.get("e2e", math.inf)
@@ -233,6 +261,7 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
         "request_throughput": len(ok) / duration,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "image_throughput": len(ok) * images_per_request / duration,  # images/s (prompt tokens include theirs)
         "goodput": {"slos_ms": {k: v * 1000 for k, v in slos.items()}, "good_requests": len(good),
                     "request_goodput": len(good) / duration} if slos else None,
         "ttft": _summary([r.ttft for r in ok]),
@@ -277,15 +306,19 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     prompts = make_prompts(args)
     model = args.model or _fetch_model(args)
     results, duration = asyncio.run(_run(args, prompts, model))
-    summary = summarize(results, duration, slos)
+    images = args.images_per_prompt if args.image_size is not None else 0
+    summary = summarize(results, duration, slos, images)
     config = {k: getattr(args, k) for k in ("base_url", "endpoint", "num_prompts", "input_len", "output_len",
-                                            "range_ratio", "request_rate", "max_concurrency", "seed")}
+                                            "range_ratio", "request_rate", "max_concurrency", "seed",
+                                            "image_size")}
+    config["images_per_prompt"] = images
     config["request_rate"] = str(config["request_rate"])  # inf is no JSON number
     report = {"model": model, "config": config, **summary,
               "requests": [asdict(r) | {"tpot": r.tpot} for r in results]}
     Path(args.result_json).write_text(json.dumps(report, indent=1))
-    title = (f"{model}: {args.num_prompts} requests, in {args.input_len} / out {args.output_len}, "
-             f"rate {args.request_rate}, concurrency {args.max_concurrency or 'unbounded'}")
+    title = (f"{model}: {args.num_prompts} requests, in {args.input_len} / out {args.output_len}"
+             + (f" + {images} x {args.image_size} image(s)" if images else "")
+             + f", rate {args.request_rate}, concurrency {args.max_concurrency or 'unbounded'}")
     write_chart(results, Path(args.chart), title)
     _print(model, summary, args)
     return report
@@ -299,7 +332,9 @@ def _print(model: str, s: dict, args: argparse.Namespace) -> None:
     for e in s["errors"]:
         print(f"  error: {e}")
     print(f"throughput: {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
-          f"{s['total_token_throughput']:.1f} total tok/s")
+          f"{s['total_token_throughput']:.1f} total tok/s"
+          + (f", {s['image_throughput']:.2f} images/s ({args.images_per_prompt} x {args.image_size} per request)"
+             if s["image_throughput"] else ""))
     if s["goodput"]:
         print(f"goodput: {s['goodput']['request_goodput']:.2f} req/s ({s['goodput']['good_requests']} requests met "
               f"{s['goodput']['slos_ms']} ms)")

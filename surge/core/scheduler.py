@@ -2,6 +2,8 @@
 
 There are no prefill or decode phases: a step maps request -> number of new tokens, so chunked prefill, decodes and
 prefix-cache hits are one mechanism. When blocks run out, the newest running request is preempted (recompute).
+A chunk that touches an image not encoded yet also spends the step's encoder budget (encoder_budget.py); one that
+does not fit is cut before that image, and waits for a later step when nothing is left of it.
 
 Progress is booked when a step is scheduled: its tokens count as computed, and a token it samples counts as
 pending until its value arrives (update_from_output). So the next step can be scheduled while this one runs.
@@ -18,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 
 from surge.config import SchedulerConfig
+from surge.core.encoder_budget import EncoderBudget
 from surge.core.kv_cache.manager import KVCacheManager
 from surge.core.kv_connector import KVConnectorOutput, SchedulerConnector
 from surge.core.request import Request, RequestStatus
@@ -40,6 +43,7 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_stats = SpecDecodingStats()
         self.kv = kv_cache_manager
+        self.encoder = EncoderBudget(config.max_num_encoder_input_tokens)
         self.connector = connector
         # Requests whose KV an asynchronous connector load is bringing in (blocks allocated, not schedulable yet),
         # and finished ones whose blocks stay held until the connector's save of them is done.
@@ -75,6 +79,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         ahead: dict[str, int] = {}  # request id -> device drafts of a step scheduled ahead of its verdict
+        self.encoder.begin_step()
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
         i = 0
@@ -96,6 +101,11 @@ class Scheduler:
             else:
                 num_spec = self._num_spec_tokens(req)
                 num_new = min(req.num_tokens_with_pending - req.num_computed_tokens + num_spec, budget)
+                if req.mm_features:
+                    num_new = self.encoder.fit(req, req.num_computed_tokens, num_new)
+                    if not num_new:  # its next image waits for a step with encoder budget left
+                        i += 1
+                        continue
             assert num_new > 0
             lookahead = self._num_lookahead(req.num_computed_tokens + num_new, req.num_tokens_with_pending)
             # Drafts in flight may still roll the computed tokens back: sliding windows keep blocks for that.
@@ -108,6 +118,8 @@ class Scheduler:
                     break
             else:
                 scheduled[req.request_id] = num_new
+                if req.mm_features:
+                    self.encoder.commit(req, req.num_computed_tokens, num_new)
                 if num_ahead:
                     ahead[req.request_id] = num_ahead
                 budget -= num_new
@@ -142,8 +154,14 @@ class Scheduler:
             elif not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            lookahead = self._num_lookahead(req.num_computed_tokens + num_hit + num_external + num_new,
-                                            req.num_tokens)
+            start = req.num_computed_tokens + num_hit + num_external
+            if req.mm_features and not load_async:
+                whole = not self.config.enable_chunked_prefill
+                fitted = self.encoder.fit(req, start, num_new, whole)
+                if not fitted or (fitted < num_new and whole):
+                    break  # the encoder budget is spent this step; it goes first next step
+                num_new = fitted
+            lookahead = self._num_lookahead(start + num_new, req.num_tokens)
             if not self.kv.allocate_slots(req, num_external + num_new + lookahead, hit, num_hit,
                                           num_unready_tokens=(num_external if load_async else 0) + lookahead):
                 break
@@ -162,11 +180,14 @@ class Scheduler:
             req.num_computed_tokens += num_external
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.mm_features:
+                self.encoder.commit(req, start, num_new)
             if lora is not None:
                 adapters.add(lora.lora_int_id)
             scheduled[req.request_id] = num_new
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+        self.encoder.end_step()
 
         for req in self.running:
             num_new = scheduled.get(req.request_id)
@@ -378,6 +399,8 @@ class Scheduler:
             self._held_for_save[request_id] = req
         else:
             self.kv.free(req)
+        if req.mm_features:
+            self.encoder.finish(req)
         req.status = status
         if self._runner_tokens.pop(request_id, None) is not None:  # the runner holds it: tell it to let go
             self._finished_ids.append(request_id)

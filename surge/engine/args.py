@@ -48,6 +48,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # "fp8" (fp8_e4m3): float8 keys and values, per-tensor scales
     max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len when chunked prefill is off
     max_num_seqs: int = 128
+    max_num_encoder_input_tokens: int | None = None  # None: max_num_batched_tokens
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE layers: whole experts per rank (EP size = TP size)
@@ -86,6 +87,10 @@ class EngineArgs:
     hf_overrides: str | dict | None = None
     # Most items of each modality in one prompt, as JSON text or a dict ({"image": 4}); a multimodal model only.
     limit_mm_per_prompt: str | dict | None = None
+    # Images from local files under this directory (file:// URLs, absolute paths) and from http(s) URLs of these
+    # hosts (a list, or comma-separated); both off by default: only data: URLs.
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: str | list[str] | None = None
     # Online quantization of an unquantized checkpoint ("fp8": per-channel weights, per-token activations); a
     # quantized checkpoint brings its own (quantization_config), which this may only name again.
     quantization: str | None = None
@@ -120,6 +125,9 @@ class EngineArgs:
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="token budget per step")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        g.add_argument("--max-num-encoder-input-tokens", type=int, default=d.max_num_encoder_input_tokens,
+                       help="image tokens the vision encoder may produce per step (default: "
+                       "--max-num-batched-tokens); a prompt chunk whose new image does not fit waits")
         g.add_argument("--engine-seed", type=int, default=d.seed, help="seed of the global RNG")
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                        help="launch each step before the previous step's tokens reach the host (default: on with "
@@ -152,6 +160,11 @@ class EngineArgs:
                        "sentence-transformers files)")
         g.add_argument("--limit-mm-per-prompt", default=d.limit_mm_per_prompt, help="most images in one prompt "
                        "as JSON, e.g. '{\"image\": 4}' (default 16)")
+        g.add_argument("--allowed-local-media-path", default=d.allowed_local_media_path, help="read images of "
+                       "file:// URLs and absolute paths under this directory (default: no local files)")
+        g.add_argument("--allowed-media-domains", default=d.allowed_media_domains, help="fetch images of http(s) "
+                       "URLs from these hosts, comma-separated, e.g. 'upload.wikimedia.org,127.0.0.1' (default: "
+                       "no remote images); a fetch is bounded in bytes, seconds and pixels")
         g.add_argument("--quantization", "-q", default=d.quantization,
                        help="fp8: quantize an unquantized checkpoint's linear layers as they load (per-channel fp8 "
                        "weights, per-token dynamic fp8 activations); quantized checkpoints need no flag")
@@ -233,6 +246,7 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=self.max_num_seqs, max_model_len=model_config.max_model_len,
                                              enable_chunked_prefill=self.enable_chunked_prefill,
+                                             max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
                                              # on by default where the device runs apart from the host
                                              async_scheduling=device.type == "cuda" if self.async_scheduling is None
                                              else bool(self.async_scheduling)),
@@ -302,7 +316,7 @@ class EngineArgs:
         return config
 
     def create_model_config(self, device: torch.device) -> ModelConfig:
-        model_config = self._model_config(device)
+        model_config = dataclasses.replace(self._model_config(device), **self._media_sources())
         if self.quantization is not None or model_config.quantization_config is not None:
             from surge.model.quant import get_quant_config
             get_quant_config(model_config.quantization_config, self.quantization)  # refuses what it cannot run
@@ -342,6 +356,23 @@ class EngineArgs:
         if limits:
             model_config = dataclasses.replace(model_config, limit_mm_per_prompt=limits)
         return model_config
+
+    def _media_sources(self) -> dict:
+        """allowed_local_media_path (an existing directory, resolved) and allowed_media_domains (host names)."""
+        path = self.allowed_local_media_path
+        if path is not None:
+            if not Path(path).is_dir():
+                raise ValueError(f"allowed_local_media_path={path!r} is not a directory")
+            path = str(Path(path).resolve())
+        domains = self.allowed_media_domains or []
+        if isinstance(domains, str):
+            domains = domains.split(",")
+        domains = [d.strip().lower() for d in domains]
+        bad = [d for d in domains if not d or "/" in d or ":" in d]
+        if bad:
+            raise ValueError(f"allowed_media_domains={self.allowed_media_domains!r}: give host names "
+                             "(comma-separated), without scheme, port or path")
+        return dict(allowed_local_media_path=path, allowed_media_domains=tuple(domains))
 
     def _user_pooler_config(self) -> PoolerConfig | None:
         if self.runner not in ("auto", *RUNNERS):

@@ -106,13 +106,17 @@ class AsyncLLM:
         """lora_request: the adapter the request runs with (checked here: a bad one is a ValueError)."""
         if self.core.dead_error is not None:
             raise self.core.dead_error
-        if request_id in self._queues:
-            raise ValueError(f"request_id={request_id!r} is already in use")
         if lora_request is not None:
             self.adapters.check(lora_request)
         self._start_output_handler()
         arrival = time.monotonic()
-        text, token_ids, mm_features = self.input_processor.process(prompt)
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # The HF processor takes long on a large image: a worker thread runs it, the event loop serves on.
+            text, token_ids, mm_features = await asyncio.to_thread(self.input_processor.process, prompt)
+        else:
+            text, token_ids, mm_features = self.input_processor.process(prompt)
+        if request_id in self._queues:  # checked after the await, right before the id is taken
+            raise ValueError(f"request_id={request_id!r} is already in use")
         pooling = pooling_params is not None
         children = [(request_id, PROMPT_ONLY)] if pooling else self.input_processor.fan_out(request_id, params)
         queue: asyncio.Queue = asyncio.Queue()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from surge.config import EngineConfig
 from surge.multimodal import MultiModalFeature
-from surge.multimodal.media import image_from_url
+from surge.multimodal.media import MediaConnector
 from surge.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -16,19 +16,6 @@ Message = dict
 
 DEFAULT_IMAGES_PER_PROMPT = 16  # limit_mm_per_prompt's default for images
 IMAGE_PARTS = ("image_url", "image")  # chat content parts that carry an image
-
-
-def _part_image(part: dict):
-    """The PIL image of one chat content part: {"type": "image_url", "image_url": {"url": "data:..."}} (or the URL
-    as a string), or {"type": "image", "image": PIL image}."""
-    from PIL import Image
-    if part["type"] == "image":
-        image = part.get("image")
-        if not isinstance(image, Image.Image):
-            raise ValueError(f"an 'image' content part needs a PIL image as 'image', got {type(image).__name__}")
-        return image
-    url = part.get("image_url")
-    return image_from_url(url.get("url") if isinstance(url, dict) else url)
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -44,6 +31,8 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self._hf_processor = None  # the model's AutoProcessor, loaded with the first image
+        mc = config.model_config
+        self.media = MediaConnector(mc.allowed_local_media_path, mc.allowed_media_domains)
 
     def process(self, prompt: Prompt) -> tuple[str | None, list[int], list[MultiModalFeature]]:
         """tokenize(), or for {"prompt": ..., "multi_modal_data": {"image": PIL image or list}} the model's processor:
@@ -71,11 +60,15 @@ class InputProcessor:
             if not isinstance(image, Image.Image):
                 raise ValueError(f"multi_modal_data['image'][{i}] must be a PIL.Image.Image, got "
                                  f"{type(image).__name__}")
-        limit = self.config.model_config.limit_mm_per_prompt.get("image", DEFAULT_IMAGES_PER_PROMPT)
-        if len(images) > limit:
-            raise ValueError(f"the prompt has {len(images)} images, over limit_mm_per_prompt={{'image': {limit}}}")
+        self.check_image_count(len(images))
         images = [image.convert("RGB") for image in images]
         return model_class.process_prompt(self.hf_processor(), text, images, add_special_tokens)
+
+    def check_image_count(self, count: int) -> None:
+        limit = self.config.model_config.limit_mm_per_prompt.get("image", DEFAULT_IMAGES_PER_PROMPT)
+        if count > limit:
+            raise ValueError(f"the prompt has {count} images, over limit_mm_per_prompt={{'image': {limit}}} "
+                             "(--limit-mm-per-prompt)")
 
     def hf_processor(self):
         """The model's processor: its class's `load_processor` where it has one, else transformers' AutoProcessor."""
@@ -121,7 +114,7 @@ class InputProcessor:
                 texts = []
                 for part in content:
                     if part.get("type") in IMAGE_PARTS:
-                        images.append(_part_image(part))
+                        images.append(self._part_image(part))
                         texts.append(placeholder)
                     else:
                         texts.append(part.get("text", ""))
@@ -133,6 +126,18 @@ class InputProcessor:
         text = self.render_chat_text(flat, add_generation_prompt, chat_template, **template_kwargs)
         token_ids, features = self.process_images(text, {"image": images}, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": token_ids, "mm_features": features}
+
+    def _part_image(self, part: dict):
+        """The PIL image of one chat content part: {"type": "image_url", "image_url": {"url": ...}} (or the URL as
+        a string: data:, or a file or host the config allows), or {"type": "image", "image": PIL image}."""
+        from PIL import Image
+        if part["type"] == "image":
+            image = part.get("image")
+            if not isinstance(image, Image.Image):
+                raise ValueError(f"an 'image' content part needs a PIL image as 'image', got {type(image).__name__}")
+            return image
+        url = part.get("image_url")
+        return self.media.load_image(url.get("url") if isinstance(url, dict) else url)
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """A string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...} -> (text, token ids)."""

@@ -64,6 +64,16 @@ def test_images_and_text_match_hf_through_chunked_prefill(tiny, llm):
     assert not llm.engine.executor.runner.encoder_cache.embeds  # every image released once prefilled
 
 
+@pytest.mark.parametrize("text", ["<image><image>", "a<image><image> b", "abc<image>d<image>"])
+def test_one_image_twice_in_a_prompt_matches_hf(tiny, llm, text):
+    """Both copies share one encoder-cache entry, whether the first copy's span ends in the step that starts the
+    second (it must not be released before the second is merged) or before it."""
+    image = random_image(7)
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": [image, image]}}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_generate(tiny, text, [image, image])
+    assert not llm.engine.executor.runner.encoder_cache.embeds
+
+
 def test_prefix_cache_keys_blocks_by_image(tiny, llm):
     text = "same text <image> then more"
     first, second = Image.new("RGB", (20, 20), (0, 0, 0)), Image.new("RGB", (20, 20), (255, 255, 255))
@@ -89,7 +99,7 @@ def test_chat_with_data_url_image(tiny, llm):
 @pytest.mark.parametrize("url, message", [
     ("data:image/png;base64,bm90IGFuIGltYWdl", "cannot decode the image"),
     ("data:image/png;base64,%%%", "not valid base64"),
-    ("https://example.com/cat.png", "only data: URLs"),
+    ("https://example.com/cat.png", "--allowed-media-domains"),
     ("/etc/passwd", "--allowed-local-media-path"),
 ])
 def test_bad_image_urls_are_clear_errors(llm, url, message):

@@ -26,17 +26,14 @@ class ChatHandler:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    def render(self, req: ChatCompletionRequest, tools: ToolRequest | None = None) -> list[int]:
-        return self.render_prompt(req, tools)[0]
-
-    def render_prompt(self, req: ChatCompletionRequest, tools: ToolRequest | None = None
-                      ) -> tuple[list[int], list[MultiModalFeature]]:
+    async def render_prompt(self, req: ChatCompletionRequest, tools: ToolRequest | None = None
+                            ) -> tuple[list[int], list[MultiModalFeature]]:
         """Token ids, and the images of a multimodal model's conversation."""
         s = self.serving
-        images = [] if s.engine.input_processor.image_placeholder() is not None else None
-        return s.render_images(s.chat_messages(req.messages, images=images), images or [], req.add_generation_prompt,
-                               req.chat_template_kwargs, req.chat_template,
-                               tools.template_tools if tools is not None else None)
+        images = s.image_parts()
+        return await s.render_images(s.chat_messages(req.messages, images=images), images or [],
+                                     req.add_generation_prompt, req.chat_template_kwargs, req.chat_template,
+                                     tools.template_tools if tools is not None else None)
 
     def parser(self, tools: ToolRequest | None) -> ChoiceOutputParser:
         options = self.serving.options
@@ -59,7 +56,7 @@ class ChatHandler:
             s.limits.check_logprobs(logprobs, "top_logprobs")
         elif req.top_logprobs is not None:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-        token_ids, mm_features = self.render_prompt(req, tools)
+        token_ids, mm_features = await self.render_prompt(req, tools)
         if req.max_completion_tokens is not None:  # the newer name wins, and 0 is as invalid as max_tokens=0
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
         else:

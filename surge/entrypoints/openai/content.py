@@ -1,34 +1,45 @@
 """The one registry of content-part types, consulted by every prompt renderer (Chat, Responses, tokenize).
 
 Chat sends `text` parts, the Responses API `input_text` (and `output_text` for earlier assistant turns): all are
-text. Chat's `image_url` parts with a data: URL are images for a multimodal model; other image parts, audio, video and
-file parts (and images for a text-only model) get a clear 400.
+text. Images come as Chat's `image_url` ({"url": ..., "detail": ...}) and the Responses API's `input_image`
+({"image_url": "...", "detail": ...}) parts: a multimodal model takes them (loaded later, off the event loop, by
+`load_images`); a text-only model answers a 400 saying it takes no images. Audio, video and file parts, and unknown
+types, get a clear 400 too.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from surge.entrypoints.openai.errors import bad_request
-from surge.multimodal.media import image_from_url
+from surge.multimodal.media import MediaConnector
 
 TEXT = "text"
+IMAGE = "image"
 
 # Part type as a client sends it -> the kind Surge renders.
-PART_ALIASES: dict[str, str] = {"text": TEXT, "input_text": TEXT, "output_text": TEXT}
+PART_ALIASES: dict[str, str] = {"text": TEXT, "input_text": TEXT, "output_text": TEXT,
+                                "image_url": IMAGE, "input_image": IMAGE}
 
 # Part types of OpenAI's APIs that name a modality Surge does not take yet.
 UNSUPPORTED_PARTS: dict[str, str] = {
-    "image_url": "image", "input_image": "image", "image": "image",
     "input_audio": "audio", "audio_url": "audio", "audio": "audio",
     "video_url": "video", "input_video": "video", "video": "video",
     "file": "file", "input_file": "file",
 }
 
-# Image parts a multimodal model takes (Chat's; the Responses API's input_image is not wired yet).
-IMAGE_PARTS = ("image_url",)
+# OpenAI's `detail` values: accepted and not acted on, since the model's own processor sets the resolution.
+IMAGE_DETAILS = ("auto", "low", "high")
 
 # Parts of one message are joined with a newline, whichever API sent them, so every shape renders alike.
 _PART_SEPARATOR = "\n"
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image part as the client sent it, its shape checked; the image itself is loaded later (load_images)."""
+    url: str
+    param: str  # where its URL was in the request: a refusal names it
 
 
 def part_kind(part: Any, param: str) -> str:
@@ -41,16 +52,17 @@ def part_kind(part: Any, param: str) -> str:
         return kind
     if part_type in UNSUPPORTED_PARTS:
         raise bad_request(f"{param}: content type {part_type!r} ({UNSUPPORTED_PARTS[part_type]} input) is not "
-                          f"supported yet; only text parts are ({', '.join(PART_ALIASES)})",
+                          f"supported yet; supported: {', '.join(PART_ALIASES)}",
                           param=param, code="unsupported_content_type")
     raise bad_request(f"{param}: unknown content type {part_type!r}; supported: {', '.join(PART_ALIASES)}",
                       param=param, code="unsupported_content_type")
 
 
-def content_text(content: str | list | None, param: str, images: list | None = None, placeholder: str = "") -> str:
+def content_text(content: str | list | None, param: str, images: list[ImagePart] | None = None,
+                 placeholder: str = "") -> str:
     """A message's content (a string, a list of parts, or null) as the text the chat template sees. images: a
-    multimodal model's list, which takes the decoded image of each image part (its text: the model's placeholder);
-    None: image parts are a 400."""
+    multimodal model's list, which takes each image part (its text: the model's placeholder); None: the model takes
+    no images, and an image part is a 400."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -60,11 +72,13 @@ def content_text(content: str | list | None, param: str, images: list | None = N
     texts = []
     for i, part in enumerate(content):
         where = f"{param}[{i}]"
-        if images is not None and isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
-            images.append(_part_image(part, where))
+        if part_kind(part, where) == IMAGE:
+            if images is None:
+                raise bad_request(f"{where}: this model takes no image input; image parts ({part['type']!r}) need a "
+                                  "multimodal model", param=where, code="unsupported_content_type")
+            images.append(image_part(part, where))
             texts.append(placeholder)
             continue
-        part_kind(part, where)  # every kind that passes is text
         text = part.get("text")
         if not isinstance(text, str):
             raise bad_request(f"{where}.text must be a string", param=f"{where}.text")
@@ -72,10 +86,31 @@ def content_text(content: str | list | None, param: str, images: list | None = N
     return _PART_SEPARATOR.join(texts)
 
 
-def _part_image(part: dict, param: str):
-    url = part.get("image_url")
-    url = url.get("url") if isinstance(url, dict) else url
-    try:
-        return image_from_url(url)
-    except ValueError as e:
-        raise bad_request(f"{param}.image_url: {e}", param=f"{param}.image_url") from None
+def image_part(part: dict, param: str) -> ImagePart:
+    """Chat's {"type": "image_url", "image_url": {"url": ..., "detail": ...}} (or the URL as a string) and the
+    Responses API's {"type": "input_image", "image_url": "...", "detail": ...}."""
+    url, detail = part.get("image_url"), part.get("detail")
+    where = f"{param}.image_url"
+    if isinstance(url, dict) and part["type"] == "image_url":
+        url, detail, where = url.get("url"), url.get("detail"), f"{where}.url"
+    if url is None and part.get("file_id") is not None:
+        raise bad_request(f"{param}.file_id: uploaded files are not supported; send the image as image_url (a data: "
+                          "URL)", param=f"{param}.file_id", code="unsupported_content_type")
+    if not isinstance(url, str):
+        raise bad_request(f"{where} must be a string (a data: URL, or a URL the server is allowed to fetch)",
+                          param=where)
+    if detail is not None and detail not in IMAGE_DETAILS:
+        raise bad_request(f"{param}: detail={detail!r} is invalid; allowed: {', '.join(IMAGE_DETAILS)}",
+                          param=f"{param}.detail")
+    return ImagePart(url, f"{param}.image_url")
+
+
+def load_images(parts: list[ImagePart], media: MediaConnector) -> list:
+    """The PIL image of each part (blocking: decoding, reading a file, fetching a URL); a 400 naming the part."""
+    images = []
+    for part in parts:
+        try:
+            images.append(media.load_image(part.url))
+        except ValueError as e:
+            raise bad_request(f"{part.param}: {e}", param=part.param) from None
+    return images

@@ -11,7 +11,7 @@ from starlette.responses import Response, StreamingResponse
 
 from surge.entrypoints.openai import structured
 from surge.entrypoints.openai.choice_output import ChoiceOutputParser, ParsedChoice
-from surge.entrypoints.openai.content import content_text
+from surge.entrypoints.openai.content import ImagePart, content_text
 from surge.entrypoints.openai.errors import bad_request
 from surge.entrypoints.openai.responses_stream import stream_events
 from surge.entrypoints.openai.protocol import (FunctionCallItem, IncompleteDetails, InputTokensDetails,
@@ -31,9 +31,11 @@ class ResponsesHandler:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    def conversation(self, req: ResponsesRequest) -> list[dict]:
-        """The request as chat-template messages: instructions first, then the input's messages and items."""
+    def conversation(self, req: ResponsesRequest, images: list[ImagePart] | None = None) -> list[dict]:
+        """The request as chat-template messages: instructions first, then the input's messages and items. images:
+        a multimodal model's list, which takes the `input_image` parts (see content_text)."""
         s = self.serving
+        placeholder = s.engine.input_processor.image_placeholder() if images is not None else ""
         messages = [s.message("system", req.instructions, "instructions")] if req.instructions is not None else []
         if isinstance(req.input, str):
             return messages + [s.message("user", req.input, "input")]
@@ -45,7 +47,7 @@ class ResponsesHandler:
             if item_type == "message":
                 if not isinstance(item.get("role"), str):
                     raise bad_request(f"{param}.role must be a string", param=f"{param}.role")
-                messages.append(s.message(item["role"], item.get("content"), param))
+                messages.append(s.message(item["role"], item.get("content"), param, images, placeholder))
             elif item_type == "function_call":
                 messages.append(self._function_call(item, param, messages))
             elif item_type == "function_call_output":
@@ -86,20 +88,25 @@ class ResponsesHandler:
             text_format=structured.text_format(req.text),
             structured_outputs=structured.extra_structured_outputs(req.structured_outputs),
             tool_choice=tools.structured_outputs() if tools is not None else None)
-        token_ids = s.render(self.conversation(req), tools=tools.template_tools if tools is not None else None)
+        images = s.image_parts()
+        token_ids, mm_features = await s.render_images(self.conversation(req, images), images or [],
+                                                       tools=tools.template_tools if tools is not None else None,
+                                                       param="input")
         max_tokens = s.check_lengths(len(token_ids), req.max_output_tokens, "max_output_tokens", "input")
         params = s.sampling_params(req, max_tokens=max_tokens, logprobs=self._num_logprobs(req),
                                    structured_outputs=constraint)
         response_id = random_id("resp_")
         if req.stream:
             try:
-                outputs = await s.start(token_ids, params, response_id, lora_request=s.lora_request(model))
+                outputs = await s.start(token_ids, params, response_id, lora_request=s.lora_request(model),
+                                        mm_features=mm_features)
             except Exception as e:
                 raise engine_error(e, grammar_param) from None
             return StreamingResponse(stream_events(self, req, model, response_id, token_ids, params, outputs,
                                                    self.parser(tools), grammar_param),
                                      media_type="text/event-stream")
-        [out] = await s.run_to_end(http, [(token_ids, params)], response_id, grammar_param, s.lora_request(model))
+        [out] = await s.run_to_end(http, [(token_ids, params)], response_id, grammar_param, s.lora_request(model),
+                                   mm_features)
         c = out.outputs[0]
         parser = self.parser(tools)
         output = output_items(parser.parse(c.text), _item_status(c.finish_reason), self._logprobs(c, params))

@@ -19,7 +19,7 @@ from surge.engine.async_llm import AsyncLLM, RequestFailedError
 from surge.engine.core_proc import EngineDeadError
 from surge.engine.detokenizer import special_token_ids
 from surge.engine.output_processor import OutputKind
-from surge.entrypoints.openai.content import content_text
+from surge.entrypoints.openai.content import ImagePart, content_text, load_images
 from surge.entrypoints.openai.errors import APIError, bad_request, internal_error
 from surge.entrypoints.openai.limits import INT64_MAX, INT64_MIN, check_int_range
 from surge.entrypoints.openai.options import ServerOptions
@@ -205,11 +205,16 @@ class OpenAIServing:
                               param=param.group(1) if param else None) from None
 
     # ---- prompts ----
-    def chat_messages(self, messages: list[ChatMessage], param: str = "messages", images: list | None = None
-                      ) -> list[dict]:
+    def image_parts(self) -> list[ImagePart] | None:
+        """The list a conversation's image parts go to: a multimodal model's (empty); None when the model takes no
+        images (an image part is then a 400 that says so)."""
+        return [] if self.engine.input_processor.image_placeholder() is not None else None
+
+    def chat_messages(self, messages: list[ChatMessage], param: str = "messages",
+                      images: list[ImagePart] | None = None) -> list[dict]:
         """Chat-shaped messages as the chat template takes them: {"role", "content": text, tool calls}. images: a
-        multimodal model's list, which takes the images of image parts in order (each part's text: the model's
-        image placeholder); None: image parts are a 400."""
+        multimodal model's list, which takes the image parts in order (each part's text: the model's image
+        placeholder); None: image parts are a 400."""
         out = []
         placeholder = self.engine.input_processor.image_placeholder() if images is not None else ""
         for i, m in enumerate(messages):
@@ -254,17 +259,33 @@ class OpenAIServing:
             raise bad_request(f"the chat template failed on this conversation: {type(e).__name__}: "
                               f"{str(e)[:300]}") from None
 
-    def render_images(self, conversation: list[dict], images: list, add_generation_prompt: bool = True,
-                      template_kwargs: dict | None = None, chat_template: str | None = None,
-                      tools: list[dict] | None = None) -> tuple[list[int], list[MultiModalFeature]]:
-        """render() for a conversation with images: the template's text through the model's processor."""
+    async def render_images(self, conversation: list[dict], images: list[ImagePart],
+                            add_generation_prompt: bool = True, template_kwargs: dict | None = None, chat_template: str | None = None,
+                            tools: list[dict] | None = None, param: str = "messages"
+                            ) -> tuple[list[int], list[MultiModalFeature]]:
+        """render() for a conversation with images: the template's text through the model's processor. Loading the
+        images (decoding, a file, a fetch) and the processor take long for large ones, so a worker thread runs them
+        and the event loop goes on serving meanwhile."""
         if not images:
             return self.render(conversation, add_generation_prompt, template_kwargs, chat_template, tools), []
-        text = self.render(conversation, add_generation_prompt, template_kwargs, chat_template, tools, as_text=True)
         try:
-            return self.engine.input_processor.process_images(text, {"image": images}, add_special_tokens=False)
+            self.engine.input_processor.check_image_count(len(images))  # before any image is fetched
         except ValueError as e:
-            raise bad_request(str(e), param="messages") from None
+            raise bad_request(str(e), param=param, code="too_many_images") from None
+        text = self.render(conversation, add_generation_prompt, template_kwargs, chat_template, tools, as_text=True)
+        return await asyncio.to_thread(self._process_images, text, images, param)
+
+    def _process_images(self, text: str, parts: list[ImagePart], param: str
+                        ) -> tuple[list[int], list[MultiModalFeature]]:
+        processor = self.engine.input_processor
+        images = load_images(parts, processor.media)
+        try:
+            return processor.process_images(text, {"image": images}, add_special_tokens=False)
+        except ValueError as e:
+            raise bad_request(str(e), param=param) from None
+        except Exception as e:  # the HF processor on a decodable but odd image (a 1-pixel-wide strip, ...)
+            raise bad_request(f"the model's image processor failed on this request: {type(e).__name__}: "
+                              f"{str(e)[:300]}", param=param) from None
 
     def _template_kwargs(self, kwargs: dict | None, chat_template: str | None) -> dict:
         """chat_template_kwargs without the renderer's own arguments, and only those the template reads."""

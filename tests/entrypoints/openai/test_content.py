@@ -2,13 +2,15 @@
 byte-identical prompts, and non-text parts get a clear 400."""
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 
 from surge.engine.args import EngineArgs
 from surge.engine.input_processor import InputProcessor, load_tokenizer
-from surge.entrypoints.openai.content import PART_ALIASES, UNSUPPORTED_PARTS, content_text
+from surge.entrypoints.openai.content import (IMAGE, PART_ALIASES, TEXT, UNSUPPORTED_PARTS, ImagePart,
+                                             content_text)
 from surge.entrypoints.openai.errors import APIError
 from surge.entrypoints.openai.protocol import ChatCompletionRequest, ResponsesRequest, decode_request
 from surge.entrypoints.openai.chat import ChatHandler
@@ -56,7 +58,7 @@ def test_chat_and_responses_shapes_render_identical_prompts(serving):
     ip = serving.engine.input_processor
     chat_text = ip.render_chat_text(chat_messages)
     assert chat_text.encode() == ip.render_chat_text(responses_messages).encode()
-    assert ChatHandler(serving).render(chat) == serving.render(responses_messages)
+    assert asyncio.run(ChatHandler(serving).render_prompt(chat)) == (serving.render(responses_messages), [])
     # And the rendering is the template's own, on plain string contents.
     expected = serving.tokenizer.apply_chat_template(
         [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Name a colour.\nOne."},
@@ -74,7 +76,7 @@ def test_string_input_equals_one_user_message(serving):
     assert as_string == as_list == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize("part_type", sorted(PART_ALIASES))
+@pytest.mark.parametrize("part_type", sorted(t for t, kind in PART_ALIASES.items() if kind == TEXT))
 def test_every_text_alias_is_text(part_type):
     assert content_text([{"type": part_type, "text": "a"}, {"type": "text", "text": "b"}], "c") == "a\nb"
 
@@ -85,6 +87,41 @@ def test_media_parts_are_a_clear_400(part_type):
         content_text([{"type": "text", "text": "a"}, {"type": part_type}], "messages[1].content")
     assert e.value.status == 400 and e.value.param == "messages[1].content[1]"
     assert "not supported yet" in e.value.message and part_type in e.value.message
+
+
+CHAT_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}}
+RESPONSES_IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "high"}
+
+
+@pytest.mark.parametrize("part", [CHAT_IMAGE, RESPONSES_IMAGE, {"type": "image_url", "image_url": "data:x"}])
+def test_image_parts_of_both_apis_become_placeholders(part):
+    images = []
+    text = content_text([{"type": "text", "text": "look"}, part], "messages[0].content", images, "<image>")
+    assert text == "look\n<image>"
+    url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
+    assert images == [ImagePart(url, "messages[0].content[1].image_url")]
+
+
+@pytest.mark.parametrize("part_type", sorted(t for t, kind in PART_ALIASES.items() if kind == IMAGE))
+def test_image_parts_to_a_text_only_model_say_it_takes_no_images(part_type):
+    with pytest.raises(APIError) as e:
+        content_text([{"type": part_type, "image_url": "data:,"}], "input[0].content")
+    assert e.value.status == 400 and e.value.param == "input[0].content[0]"
+    assert "takes no image input" in e.value.message
+
+
+@pytest.mark.parametrize("part, param, message", [
+    ({"type": "input_image", "detail": "auto"}, "input[0].content[0].image_url", "must be a string"),
+    ({"type": "input_image", "image_url": 5}, "input[0].content[0].image_url", "must be a string"),
+    ({"type": "image_url", "image_url": {"url": None}}, "input[0].content[0].image_url.url", "must be a string"),
+    ({"type": "input_image", "file_id": "file-1"}, "input[0].content[0].file_id", "not supported"),
+    ({**RESPONSES_IMAGE, "detail": "ultra"}, "input[0].content[0].detail", "'ultra' is invalid"),
+    ({"type": "image_url", "image_url": {"url": "data:,", "detail": 3}}, "input[0].content[0].detail", "invalid"),
+])
+def test_malformed_image_parts_are_400(part, param, message):
+    with pytest.raises(APIError) as e:
+        content_text([part], "input[0].content", [], "<image>")
+    assert e.value.status == 400 and e.value.param == param and message in e.value.message
 
 
 @pytest.mark.parametrize("content", [[{"text": "no type"}], ["a string part"], [{"type": "text", "text": 5}], 7])
