@@ -40,7 +40,7 @@ class TritonAttentionBackend(AttentionBackend):
         if device.type != "cuda":
             return 0
         kernel = self.kernel(device)
-        layers = tuple(p for p in layers if not p.is_mla)  # MLA runs the torch path (forward_mla) for now
+        layers = tuple(p for p in layers if not p.torch_path)  # MLA and host-path layers compile nothing here
         keys = warm_up_keys(kernel, layers, block_size, dtype, decode_sizes, max_num_seqs, kv_cache_dtype)
         return kernel.compile_many(keys, max_workers=max_workers)
 
