@@ -14,8 +14,6 @@ from transformers import DeepseekV4Config
 
 from tiny_models import VOCAB, save_tiny
 
-KINDS = ("deepseek-v4",)
-
 _LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
            "compressed_sparse_attention"]
 
@@ -23,7 +21,7 @@ _LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compress
 def tiny_config(kind: str) -> DeepseekV4Config:
     rope = {}
     if kind == "deepseek-v4-yarn":
-        rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+        rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
                 "beta_slow": 1.0}
     elif kind != "deepseek-v4":
         raise ValueError(kind)

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
-from hf_parity import check_all
+from hf_parity import check_all, check_every_step
 from surge import LLM
 from surge.config import ModelConfig
 from surge.core.kv_cache.spec import SlidingTokenRowSpec, TokenRowSpec
@@ -49,6 +49,13 @@ def tiny(request, tmp_path_factory, ties_to_lower_index):
 
 def test_deepseek_v4_matches_hf(tiny):
     check_all(*tiny)
+
+
+def test_deepseek_v4_yarn_compress_rope_matches_hf(tmp_path, ties_to_lower_index):
+    """The released configs scale the compressed layers' rope by yarn (attention factor 1.0, as HF forces it) and
+    leave the sliding layers' plain."""
+    path = make_tiny_model("deepseek-v4-yarn", tmp_path)
+    check_every_step("deepseek-v4-yarn", path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
 
 
 def test_deepseek_v4_cache_groups(tiny):
