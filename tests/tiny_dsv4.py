@@ -45,7 +45,8 @@ _EXTRA = (("attn.sinks", 1.0), ("position_bias", 0.5), ("_hc.base", 0.5), ("_hc.
 def make_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
     import torch
 
-    path = save_tiny(tiny_config(kind), path, seed, extra=_EXTRA)
+    config = tiny_config(kind)
+    path = save_tiny(config, path, seed, extra=_EXTRA)
     # The hash layers' frozen token -> experts table: distinct experts per token, spread over the experts.
     from safetensors.torch import load_file, save_file
     file = path / "model.safetensors"
@@ -53,6 +54,6 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
     g = torch.Generator().manual_seed(seed)
     for name in [n for n in tensors if n.endswith("gate.tid2eid")]:
         vocab, k = tensors[name].shape
-        tensors[name] = torch.stack([torch.randperm(4, generator=g)[:k] for _ in range(vocab)])
+        tensors[name] = torch.stack([torch.randperm(config.n_routed_experts, generator=g)[:k] for _ in range(vocab)])
     save_file(tensors, str(file), metadata={"format": "pt"})
     return path
