@@ -240,7 +240,8 @@ def _model_type_of(architectures: list[str]) -> str | None:
     return next((by_class[a] for a in architectures if a in by_class), None)
 
 
-_LAYER_TYPES = ("full_attention", "sliding_attention")
+# DeepSeek V4's compressed kinds (each also slides over sliding_window) are read by its model only.
+_LAYER_TYPES = ("full_attention", "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
 
 def _layer_types(model: str, tc: Any) -> tuple[tuple[str, ...], int | None]:

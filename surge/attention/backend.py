@@ -55,6 +55,9 @@ class AttentionParams:
     # each query/key head); num_kv_heads is 1, the latent's. None: standard attention.
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int = 0
+    # The layer attends in plain torch from the step's host lengths, outside the backends (DeepSeek V4's sparse
+    # attention over compressed entries, for now): no kernel variant to compile, no CUDA graph capture.
+    host_path: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -79,6 +82,11 @@ class AttentionParams:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None
+
+    @property
+    def torch_path(self) -> bool:
+        """Attends in plain torch whatever the backend (MLA's forward_mla, or a host-path layer)."""
+        return self.is_mla or self.host_path
 
 
 @dataclass
@@ -164,9 +172,9 @@ class AttentionBackend(ABC):
         return mla_forward(q, kv_c, k_pe, kv_cache, meta, params, kv_b_weight)
 
     def supports_cuda_graphs_for(self, layers: tuple[AttentionParams, ...]) -> bool:
-        """Whether steps of a model with these layers may be captured: the torch MLA path reads host lengths (a
-        backend whose MLA path reads them on the device says so)."""
-        return self.supports_cuda_graphs and not any(p.is_mla for p in layers)
+        """Whether steps of a model with these layers may be captured: the torch paths (MLA's, host-path layers) read
+        host lengths (a backend whose MLA path reads them on the device says so)."""
+        return self.supports_cuda_graphs and not any(p.torch_path for p in layers)
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

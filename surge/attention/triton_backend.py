@@ -40,8 +40,8 @@ class TritonAttentionBackend(AttentionBackend):
         return self._mla_kernels[device]
 
     def supports_cuda_graphs_for(self, layers: tuple[AttentionParams, ...]) -> bool:
-        """Every path reads lengths on the device, MLA's included."""
-        return True
+        """Every path reads lengths on the device, MLA's included; host-path layers (DeepSeek V4's) do not."""
+        return not any(p.host_path for p in layers)
 
     def warm_up(self, device: torch.device, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,
                 decode_sizes: list[int], max_num_seqs: int, max_workers: int,
@@ -51,10 +51,10 @@ class TritonAttentionBackend(AttentionBackend):
         if device.type != "cuda":
             return 0
         kernel, mla_kernel = self.kernel(device), self.mla_kernel(device)
-        keys = warm_up_keys(kernel, tuple(p for p in layers if not p.is_mla), block_size, dtype, decode_sizes,
-                            max_num_seqs, kv_cache_dtype)
-        mla_keys = mla_warm_up_keys(mla_kernel, tuple(p for p in layers if p.is_mla), block_size, dtype,
-                                    decode_sizes, max_num_seqs)
+        plain = tuple(p for p in layers if not p.torch_path)
+        mla = tuple(p for p in layers if p.is_mla and not p.host_path)  # host-path layers compile nothing here
+        keys = warm_up_keys(kernel, plain, block_size, dtype, decode_sizes, max_num_seqs, kv_cache_dtype)
+        mla_keys = mla_warm_up_keys(mla_kernel, mla, block_size, dtype, decode_sizes, max_num_seqs)
         return (kernel.compile_many(keys, max_workers=max_workers)
                 + mla_kernel.compile_many(mla_keys, max_workers=max_workers))
 

@@ -163,6 +163,10 @@ def _gate_up_act_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_pt
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
             act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        elif ACTIVATION == "silu_clamped":
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            act = gate / (1.0 + tl.exp(-gate)) * up
         else:
             act = gate / (1.0 + tl.exp(-gate)) * up
         out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :]

@@ -47,18 +47,21 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     return rotate_interleaved(x, cos, sin) if interleaved else rotate_half(x, cos, sin)
 
 
-EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
+EXPERT_ACTIVATIONS = ("silu", "swiglu_oai", "silu_clamped")
 
 
 def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", alpha: float = 1.702,
                       limit: float = 7.0) -> torch.Tensor:
     """An expert's gated activation. silu: silu(gate) * up. swiglu_oai (gpt-oss): gate clamped from above at limit,
-    up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate). silu_clamped (DeepSeek V4): the same clamps,
+    then silu(gate) * up."""
     if activation == "silu":
         return torch.nn.functional.silu(gate) * up
     if activation == "swiglu_oai":
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if activation == "silu_clamped":
+        return torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
     raise ValueError(f"activation={activation!r} is not supported; supported: {', '.join(EXPERT_ACTIVATIONS)}")
 
 

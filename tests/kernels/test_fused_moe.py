@@ -56,8 +56,8 @@ def test_equals_reference_for_every_geometry(shape, device):
         _check(fused_moe(x, gate_up, down, weights, ids, launch=launch).cpu(), expected, torch.float32)
 
 
-# (bias, activation): each flag alone, then both (gpt-oss's experts).
-VARIANTS = [(True, "silu"), (False, "swiglu_oai"), (True, "swiglu_oai")]
+# (bias, activation): each flag alone, then both (gpt-oss's experts); DeepSeek V4's clamped SiLU.
+VARIANTS = [(True, "silu"), (False, "swiglu_oai"), (True, "swiglu_oai"), (False, "silu_clamped")]
 
 
 @pytest.mark.parametrize("bias,activation", VARIANTS, ids=[f"bias{int(b)}-{a}" for b, a in VARIANTS])
@@ -74,7 +74,7 @@ def test_bias_and_activation_equal_reference(bias, activation, device):
                        down_bias=torch.randn(4, 32, generator=g).to(device))
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in options.items()}
     expected = reference(x.cpu(), gate_up.cpu(), down.cpu(), weights.cpu(), ids.cpu(), **cpu)
-    if activation == "swiglu_oai":  # the clamps act: gate above the limit, up beyond it on both sides
+    if activation != "silu":  # the clamps act: gate above the limit, up beyond it on both sides
         up = x.cpu() @ gate_up.cpu()[:, 24:].transpose(1, 2)
         assert (x.cpu() @ gate_up.cpu()[:, :24].transpose(1, 2) > 0.6).any() and (up > 0.6).any() and (up < -0.6).any()
     for launch in _launches(9, 4, 2, 32, 24)[:2]:

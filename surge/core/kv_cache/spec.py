@@ -79,6 +79,27 @@ class SlidingWindowSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class TokenRowSpec(FullAttentionSpec):
+    """One plane: per token one row of head_dim values whose columns the layer lays out (DeepSeek V4's compressed
+    layers: the shared key-value, the compressor's per-token state, and the entry a window leaves in the row of its
+    last token). Full attention for the managers: every block is kept, and a row is a function of its prefix."""
+
+    @property
+    def num_planes(self) -> int:
+        return 1
+
+
+@dataclass(frozen=True)
+class SlidingTokenRowSpec(SlidingWindowSpec):
+    """TokenRowSpec's one plane with a sliding window: blocks that fell out of the window go back to the pool
+    (DeepSeek V4's sliding layers, whose key is its value)."""
+
+    @property
+    def num_planes(self) -> int:
+        return 1
+
+
+@dataclass(frozen=True)
 class MLAAttentionSpec(KVCacheSpec):
     """Multi-head latent attention (DeepSeek V2/V3): per token one "head" of the compressed latent (kv_lora_rank
     values) followed by the shared rotated key (qk_rope_head_dim): head_dim = kv_lora_rank + qk_rope_head_dim, one

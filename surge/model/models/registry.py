@@ -25,6 +25,7 @@ from surge.model.models.cohere import CohereForCausalLM
 from surge.model.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from surge.model.models.ernie4_5 import Ernie4_5ForCausalLM
 from surge.model.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from surge.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 from surge.model.models.llava import LlavaForConditionalGeneration
 from surge.model.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from surge.model.models.pooling import as_pooling_model
@@ -59,6 +60,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,

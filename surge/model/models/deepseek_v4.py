@@ -1,0 +1,366 @@
+"""DeepSeek V4: shared-KV multi-query attention over a sliding window plus compressed entries (CSA: windows of 4
+tokens scored by a lightning indexer that keeps index_topk of them; HCA: windows of 128, all kept), attention sinks,
+a grouped low-rank output projection; hyper-connections (hc_mult residual streams mixed by Sinkhorn-normalized
+matrices); mixtures of experts routed by sqrtsoftplus scores (or, in hash_moe layers, by a frozen token-id table)
+with clamped SwiGLU experts and a shared expert. The math is HF transformers' (models/deepseek_v4), the references
+in surge/kernels/deepseek_v4_reference.py.
+
+KV cache: every layer caches one row per token (surge/attention/deepseek_v4.py): its key-value, and in compressed
+layers the compressor's per-token state and, in the row of a window's last token, the entry the window makes. This
+is the simplest design that is exact under prefix-cache hits, chunked prefill and preemption (a row depends only on
+its prefix, and a window's entry is made once, from cached state, whichever step completes it), and its attention is
+plain torch on every device; it costs memory (state rows are kept after their window closed) and CUDA graphs. The
+per-rate caches with their own block accounting are the follow-up (issue 29, point 1).
+
+Checkpoint names: DeepSeek's (`layers.N.attn.wq_a`, `ffn.experts.E.w1` ...), as transformers' save_pretrained writes
+them (under `model.`, with `head.weight`) and as the released checkpoints do (no prefix, `embed.weight`,
+`attn.kv_norm.weight`, `hc_head_fn`); MTP layers (`mtp.*`) are skipped. Config fields the math does not read in HF
+either: norm_topk_prob (weights are always renormalized over the chosen experts), n_shared_experts (one shared
+expert of moe_intermediate_size), num_key_value_heads (one shared head).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from surge.attention.backend import AttentionMetadata
+from surge.attention.deepseek_v4 import (RowLayout, WindowCompressor, close_windows, entry_rows, rows_of,
+                                         select_entries, sink_attention, slots_of)
+from surge.core.kv_cache.spec import KVCacheSpec, SlidingTokenRowSpec, TokenRowSpec
+from surge.kernels.deepseek_v4_reference import mhc_post, mhc_pre
+from surge.kernels.reference import rotate_interleaved
+from surge.model.arch import CausalLM, WeightMapper, cfg_get, refuse, require
+from surge.model.layers.attention import Attention
+from surge.model.layers.embedding import VocabParallelEmbedding
+from surge.model.layers.linear import Linear
+from surge.model.layers.moe import FusedMoE
+from surge.model.layers.rotary import RotaryEmbedding, rope_parameters
+
+_SCORES = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
+_RATE_KEYS = ("compressed_sparse_attention", "heavily_compressed_attention")
+
+
+def _fp32(*shape: int) -> nn.Parameter:
+    """HF keeps norms, sinks, position biases and hyper-connection weights in float32 whatever the model's dtype."""
+    return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """V4's RMSNorm: a float32 weight, multiplied in float32 and rounded once."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = _fp32(dim), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h if weight is None else weight * h).to(x.dtype)
+
+
+def rope_tail(x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved rope on the trailing rotary_dim channels of x [T, ..., D] (V4's heads are [nope | rope]);
+    inverse: the conjugate rotation (-sin), which takes the output's rope slice back to relative positions."""
+    cos, sin = rotary.cos_cache[positions].to(x.dtype), rotary.sin_cache[positions].to(x.dtype)
+    if inverse:
+        sin = -sin
+    for _ in range(x.dim() - 2):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rd = rotary.rotary_dim
+    return torch.cat((x[..., :-rd], rotate_interleaved(x[..., -rd:], cos, sin)), dim=-1)
+
+
+class Compressor(nn.Module):
+    """Pools windows of `rate` tokens into entries of `dim` values (overlap: CSA's two series per token)."""
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.wkv, self.wgate = Linear(hidden, width), Linear(hidden, width)
+        self.ape = _fp32(rate, width)
+        self.norm = RMSNorm(dim, eps)
+        self.rate, self.overlap = rate, overlap
+
+    def params(self, rotary: RotaryEmbedding, layout: RowLayout, columns: tuple[str, str, str]) -> WindowCompressor:
+        """columns: the row's state_kv, state_gate and entry columns for this compressor."""
+        return WindowCompressor(self.ape, self.norm.weight, self.norm.eps, rotary.cos_cache, rotary.sin_cache,
+                                *(layout.column(c) for c in columns))
+
+
+class Indexer(nn.Module):
+    """The lightning indexer: its own compressor at index_head_dim, queries from the attention's low-rank q."""
+
+    def __init__(self, tc, rate: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.topk = tc.index_n_heads, tc.index_head_dim, tc.index_topk
+        self.wq_b = Linear(tc.q_lora_rank, self.num_heads * self.head_dim)
+        self.weights_proj = Linear(tc.hidden_size, self.num_heads)
+        self.compressor = Compressor(tc.hidden_size, self.head_dim, rate, True, tc.rms_norm_eps)
+
+
+class RowCache(Attention):
+    """Binds a V4 layer's row cache (the runner allocates it by the spec declared here); attends nowhere itself."""
+
+    def __init__(self, num_heads: int, head_dim: int, sliding_window: int, layout: RowLayout, scale: float) -> None:
+        super().__init__(num_heads, 1, head_dim, sliding_window, scale=scale)
+        self.params = dataclasses.replace(self.params, has_sinks=True, host_path=True)
+        self.layout = layout
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        if not dtype.is_floating_point or dtype.itemsize == 1:
+            raise ValueError(f"kv_cache_dtype={str(dtype).removeprefix('torch.')} is not supported for DeepSeek V4 "
+                             "layers yet; use kv_cache_dtype='auto'")
+        if not self.layout.rate:
+            return SlidingTokenRowSpec(block_size, 1, self.layout.width, dtype, sliding_window=self.sliding_window)
+        return TokenRowSpec(block_size, 1, self.layout.width, dtype)
+
+
+class DeepseekV4Attention(nn.Module):
+    def __init__(self, tc, layer_type: str, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden, heads, d, eps = tc.hidden_size, tc.num_attention_heads, tc.head_dim, tc.rms_norm_eps
+        self.num_heads, self.head_dim, self.eps, self.window = heads, d, eps, tc.sliding_window
+        self.groups, self.o_rank = tc.o_groups, tc.o_lora_rank
+        if heads * d % self.groups:
+            raise ValueError(f"config field o_groups={self.groups} must divide num_attention_heads * head_dim = "
+                             f"{heads * d}")
+        self.wq_a = Linear(hidden, tc.q_lora_rank)
+        self.q_norm = RMSNorm(tc.q_lora_rank, eps)
+        self.wq_b = Linear(tc.q_lora_rank, heads * d)
+        self.wkv = Linear(hidden, d)
+        self.norm = RMSNorm(d, eps)
+        self.wo_a = Linear(heads * d // self.groups, self.groups * self.o_rank)
+        self.wo_b = Linear(self.groups * self.o_rank, hidden)
+        self.attn_sink = _fp32(heads)
+        self.rotary = rotary
+        self.rate = tc.compress_rates[layer_type] if layer_type != "sliding_attention" else 0
+        csa = layer_type == "compressed_sparse_attention"
+        if self.rate:
+            self.compressor = Compressor(hidden, d, self.rate, csa, eps)
+        self.indexer = Indexer(tc, self.rate) if csa else None
+        layout = RowLayout(d, self.rate, csa, tc.index_head_dim if csa else 0)
+        self.attn = RowCache(heads, d, self.window, layout, d ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: list[AttentionMetadata]) -> torch.Tensor:
+        m, layout = meta[self.attn.group_id], self.attn.layout
+        rows, block_size = rows_of(self.attn.kv_cache, layout), self.attn.kv_cache.shape[2]
+        q_res = self.q_norm(self.wq_a(x))
+        q = rms_norm(self.wq_b(q_res).view(-1, self.num_heads, self.head_dim), None, self.eps)
+        q = rope_tail(q, self.rotary, positions)
+        rows[m.slot_mapping, layout.column("kv")] = rope_tail(self.norm(self.wkv(x)), self.rotary, positions)
+        index_q = index_w = None
+        if self.rate:
+            c = self.compressor
+            rows[m.slot_mapping, layout.column("state_kv")] = c.wkv(x)
+            rows[m.slot_mapping, layout.column("state_gate")] = c.wgate(x)
+            close_windows(rows, m, block_size, self.rate, c.overlap,
+                          c.params(self.rotary, layout, ("state_kv", "state_gate", "entry")))
+        if self.indexer is not None:
+            ic = self.indexer.compressor
+            rows[m.slot_mapping, layout.column("index_kv")] = ic.wkv(x)
+            rows[m.slot_mapping, layout.column("index_gate")] = ic.wgate(x)
+            close_windows(rows, m, block_size, self.rate, True,
+                          ic.params(self.rotary, layout, ("index_kv", "index_gate", "index_entry")))
+            index_q = self.indexer.wq_b(q_res).view(-1, self.indexer.num_heads, self.indexer.head_dim)
+            index_q = rope_tail(index_q, self.rotary, positions)
+            index_w = self.indexer.weights_proj(x)
+        out = torch.empty_like(q)
+        qsl = m.query_start_loc
+        for r in range(m.num_reqs):
+            start, end = qsl[r], qsl[r + 1]
+            if end > start:
+                out[start:end] = self._attend(rows, m.block_table[r], m.seq_lens[r], q[start:end], block_size,
+                                              None if index_q is None else (index_q[start:end], index_w[start:end]))
+        out = rope_tail(out, self.rotary, positions, inverse=True)
+        grouped = out.view(-1, self.groups, self.num_heads * self.head_dim // self.groups)
+        w = self.wo_a.weight.view(self.groups, self.o_rank, -1)  # block-diagonal: one [o_rank, in] block a group
+        grouped = torch.einsum("tgi,gri->tgr", grouped, w)
+        return self.wo_b(grouped.flatten(1))
+
+    def _attend(self, rows, table, seq_len: int, q, block_size: int, index) -> torch.Tensor:
+        """One request's n queries (the last n positions of its seq_len)."""
+        layout, device = self.attn.layout, q.device
+        n = q.shape[0]
+        q_pos = torch.arange(seq_len - n, seq_len, device=device)
+        k_pos = torch.arange(max(0, seq_len - n - self.window + 1), seq_len, device=device)
+        keys = rows[slots_of(table, k_pos, block_size), layout.column("kv")]
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - self.window)
+        count = seq_len // self.rate if self.rate else 0
+        if count:
+            entries = entry_rows(rows, table, count, self.rate, block_size)
+            complete = (q_pos + 1) // self.rate  # windows complete at each query
+            seen = torch.arange(count, device=device)[None, :] < complete[:, None]
+            if index is not None:
+                index_keys = rows[entries, layout.column("index_entry")]
+                seen &= select_entries(index[0], index[1], index_keys, complete, self.indexer.topk)
+            keys = torch.cat((keys, rows[entries, layout.column("entry")]))
+            visible = torch.cat((visible, seen), dim=1)
+        return sink_attention(q, keys, visible, self.attn_sink, self.attn.scale)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, limit: float) -> None:
+        super().__init__()
+        self.w1, self.w3 = Linear(hidden, intermediate), Linear(hidden, intermediate)
+        self.w2 = Linear(intermediate, hidden)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x).clamp(max=self.limit)) * self.w3(x).clamp(-self.limit, self.limit))
+
+
+class DeepseekV4MoE(nn.Module):
+    """Routed experts (scores by scoring_func; the top num_experts_per_tok of score + correction bias, or the
+    token's row of tid2eid in a hash layer; weights renormalized, times routed_scaling_factor) plus a shared one."""
+
+    def __init__(self, tc, hashed: bool) -> None:
+        super().__init__()
+        num_experts, hidden, limit = tc.n_routed_experts, tc.hidden_size, float(tc.swiglu_limit)
+        self.top_k, self.hashed = tc.num_experts_per_tok, hashed
+        if not 1 <= self.top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, n_routed_experts={num_experts}]")
+        self.score = _SCORES[require(tc, "scoring_func", tuple(_SCORES))]
+        self.scaling = float(tc.routed_scaling_factor)
+        self.gate = Linear(hidden, num_experts, quantizable=False)
+        if hashed:  # int64 in the checkpoint; this default spreads tokens for dummy weights
+            table = (torch.arange(tc.vocab_size)[:, None] * self.top_k + torch.arange(self.top_k)) % num_experts
+            self.gate.register_buffer("tid2eid", table.to(torch.get_default_device()))
+            self.gate.tid2eid.weight_loader = _copy_buffer
+        else:
+            self.gate.e_score_correction_bias = _fp32(num_experts)  # it chooses experts, it does not weight them
+        self.experts = FusedMoE(num_experts, hidden, tc.moe_intermediate_size, activation="silu_clamped",
+                                swiglu_limit=limit)
+        self.shared_experts = SharedExpert(hidden, tc.moe_intermediate_size, limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        scores = self.score(F.linear(x, self.gate.weight))
+        if self.hashed:
+            ids = self.gate.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+        return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+def _copy_buffer(buffer: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+    if loaded.shape != buffer.shape:
+        raise ValueError(f"tid2eid of shape {tuple(loaded.shape)}, expected {tuple(buffer.shape)}")
+    buffer.copy_(loaded)
+
+
+class DeepseekV4Layer(nn.Module):
+    def __init__(self, tc, index: int, rotaries: dict[str, RotaryEmbedding]) -> None:
+        super().__init__()
+        layer_type, n, hidden = tc.layer_types[index], tc.hc_mult, tc.hidden_size
+        self.attn = DeepseekV4Attention(tc, layer_type, rotaries["main" if layer_type == "sliding_attention"
+                                                                 else "compress"])
+        self.ffn = DeepseekV4MoE(tc, tc.mlp_layer_types[index] == "hash_moe")
+        self.attn_norm, self.ffn_norm = RMSNorm(hidden, tc.rms_norm_eps), RMSNorm(hidden, tc.rms_norm_eps)
+        mixes = (2 + n) * n
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", _fp32(mixes, n * hidden))
+            setattr(self, f"hc_{site}_base", _fp32(mixes))
+            setattr(self, f"hc_{site}_scale", _fp32(3))
+        self.hc = dict(hc_eps=tc.hc_eps, rms_eps=tc.rms_norm_eps, sinkhorn_iters=tc.hc_sinkhorn_iters)
+
+    def forward(self, positions, streams: torch.Tensor, input_ids, meta) -> torch.Tensor:
+        """streams [T, hc_mult, hidden]: each block reads their mix and adds its output back to each stream."""
+        post, comb, x = mhc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                                norm_weight=self.attn_norm.weight, **self.hc)
+        streams = mhc_post(self.attn(positions, x, meta), streams, post, comb)
+        post, comb, x = mhc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                                norm_weight=self.ffn_norm.weight, **self.hc)
+        return mhc_post(self.ffn(x, input_ids), streams, post, comb)
+
+
+class HyperHead(nn.Module):
+    """The streams' final collapse: sigmoid weights (+ hc_eps) from the RMS-normed streams."""
+
+    def __init__(self, n: int, hidden: int, hc_eps: float, rms_eps: float) -> None:
+        super().__init__()
+        self.hc_fn, self.hc_base, self.hc_scale = _fp32(n, n * hidden), _fp32(n), _fp32(1)
+        self.hc_eps, self.rms_eps = hc_eps, rms_eps
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = rms_norm(streams.flatten(1).float(), None, self.rms_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+_EXPERT = re.compile(r"^(?P<prefix>layers\.\d+\.ffn\.experts)\.(?P<expert>\d+)\.w(?P<w>[123])\.weight$")
+
+
+class DeepseekV4ForCausalLM(CausalLM):
+    weight_mapper = WeightMapper(
+        prefixes=(("model.", ""),),
+        renames=((r"^embed\.", "embed_tokens."), (r"^head\.", "lm_head."), (r"^hc_head_(fn|base|scale)$",
+                                                                            r"hc_head.hc_\1"),
+                 (r"\.attn\.kv_norm\.", ".attn.norm."), (r"\.gate\.bias$", ".gate.e_score_correction_bias")),
+        skip=(r"^(model\.)?mtp\.",))
+
+    def __init__(self, config, quant_config=None) -> None:
+        super().__init__(config, quant_config)
+        tc = self.tc
+        self.check_config(tc)
+        hidden = tc.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(tc.vocab_size, hidden)
+        rotaries = {kind: RotaryEmbedding(tc.head_dim, config.max_model_len, rope_parameters(tc, kind),
+                                          interleaved=True) for kind in ("main", "compress")}
+        self.rotary_main, self.rotary_compress = rotaries["main"], rotaries["compress"]
+        self.layers = nn.ModuleList(DeepseekV4Layer(tc, i, rotaries) for i in range(tc.num_hidden_layers))
+        self.hc_head = HyperHead(tc.hc_mult, hidden, tc.hc_eps, tc.rms_norm_eps)
+        self.norm = RMSNorm(hidden, tc.rms_norm_eps)
+        self.lm_head = self.make_lm_head(self.embed_tokens)
+
+    @staticmethod
+    def check_config(tc) -> None:
+        require(tc, "hidden_act", ("silu",))
+        for name in ("attention_bias", "mlp_bias"):
+            require(tc, name, (False,), False)
+        if cfg_get(tc, "quantization_config") is not None:
+            raise refuse("quantization_config", tc.quantization_config, "none (an unquantized checkpoint)")
+        if cfg_get(tc, "rope_parameters", {}).get("main", {}).get("rope_type", "default") != "default":
+            raise refuse("rope_parameters.main.rope_type", tc.rope_parameters["main"]["rope_type"], "'default'")
+        rates = tc.compress_rates
+        for kind in set(tc.layer_types) & set(_RATE_KEYS):
+            if not (isinstance(rates.get(kind), int) and rates[kind] > 0):
+                raise refuse(f"compress_rates.{kind}", rates.get(kind), "a positive integer")
+        if not (isinstance(tc.sliding_window, int) and tc.sliding_window > 0):
+            raise refuse("sliding_window", tc.sliding_window, "a positive integer")
+        if tc.hc_mult < 1 or tc.hc_sinkhorn_iters < 1:
+            raise ValueError(f"config fields hc_mult={tc.hc_mult} and hc_sinkhorn_iters={tc.hc_sinkhorn_iters} "
+                             "must be >= 1")
+
+    @classmethod
+    def check_parallel(cls, config, parallel) -> None:
+        if parallel.tensor_parallel_size > 1 or parallel.enable_expert_parallel:
+            raise ValueError(f"tensor_parallel_size={parallel.tensor_parallel_size} (enable_expert_parallel="
+                             f"{parallel.enable_expert_parallel}): DeepSeek V4 runs on one rank for now")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata],
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        streams = x.unsqueeze(1).expand(-1, self.tc.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(positions, streams, input_ids, meta)
+        return self.norm(self.hc_head(streams))
+
+    def checkpoint_name_to_param(self, name: str):
+        mapped = super().checkpoint_name_to_param(name)
+        if mapped is None:
+            return None
+        m = _EXPERT.match(mapped[0])
+        if m is None:
+            return mapped
+        proj = {"1": "gate", "2": "down", "3": "up"}[m["w"]]
+        param = "down_proj" if proj == "down" else "gate_up_proj"
+        return f"{m['prefix']}.{param}", (proj, int(m["expert"]))

@@ -1,0 +1,111 @@
+"""DeepSeek V4 against HF transformers on a tiny random checkpoint (tests/tiny_dsv4.py) with every layer type
+(sliding, CSA with the indexer, HCA), both MLP types and two hyper-connection streams: logits at every step and
+greedy tokens through every check of tests/hf_parity.py (prompts spanning several compression windows, chunked
+prefill in 7-token chunks, prefix-cache hits, preemption, prompt logprobs); the per-layer cache specs; what is not
+implemented is refused by name.
+
+The indexer's ReLU scores are often exactly 0, so its top-k ties; Surge keeps the lower index (the documented total
+order of surge/kernels/deepseek_v4_reference.indexer_topk). torch.topk, which HF calls, leaves the order of ties
+unspecified, so the reference here is HF with that one choice made: its scores get -index * 1e-30, which only
+separates exact ties (every other score is far larger than the nudge's ulp).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
+
+from hf_parity import check_all, check_every_step
+from surge import LLM
+from surge.config import ModelConfig
+from surge.core.kv_cache.spec import SlidingTokenRowSpec, TokenRowSpec
+from surge.model.loader.base import build_model
+from surge.model.models.deepseek_v4 import DeepseekV4ForCausalLM
+from surge.model.models.registry import MODEL_REGISTRY
+from tiny_dsv4 import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def ties_to_lower_index():
+    scorer = hf_v4.DeepseekV4IndexerScorer.forward
+
+    def forward(self, q, compressed_kv, hidden_states):
+        scores = scorer(self, q, compressed_kv, hidden_states)
+        return scores - torch.arange(scores.shape[-1], dtype=scores.dtype) * 1e-30
+
+    hf_v4.DeepseekV4IndexerScorer.forward = forward
+    yield
+    hf_v4.DeepseekV4IndexerScorer.forward = scorer
+
+
+@pytest.fixture(scope="module", params=["deepseek-v4"])
+def tiny(request, tmp_path_factory, ties_to_lower_index):
+    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_deepseek_v4_matches_hf(tiny):
+    check_all(*tiny)
+
+
+def test_deepseek_v4_yarn_compress_rope_matches_hf(tmp_path, ties_to_lower_index):
+    """The released configs scale the compressed layers' rope by yarn (attention factor 1.0, as HF forces it) and
+    leave the sliding layers' plain."""
+    path = make_tiny_model("deepseek-v4-yarn", tmp_path)
+    check_every_step("deepseek-v4-yarn", path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+
+
+def test_deepseek_v4_cache_groups(tiny):
+    """Sliding layers: the key only, blocks out of the window freed; CSA and HCA layers: a row of key, compressor
+    state and entry (and the indexer's), every block kept. One group per distinct row."""
+    _, path, _ = tiny
+    runner = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory=1 << 20,
+                 max_model_len=64).engine.executor.runner
+    d, di = 32, 16
+    csa, hca = d + 4 * d + d + 5 * di, d + 2 * d + d
+    specs = [(g.spec, g.layer_ids) for g in runner.kv_cache_config.groups]
+    assert specs == [(SlidingTokenRowSpec(4, 1, d, torch.float32, sliding_window=6), (0,)),
+                     (TokenRowSpec(4, 1, csa, torch.float32), (1, 3)), (TokenRowSpec(4, 1, hca, torch.float32), (2,))]
+    assert runner.kv_caches[1].shape == (1, runner.kv_cache_config.num_blocks, 4, 1, csa)
+
+
+def _model_config(path, **overrides) -> ModelConfig:
+    config = json.loads((path / "config.json").read_text())
+    config.update(overrides)
+    return ModelConfig.from_hf_config(str(path), config, {}, "float32", torch.device("cpu"),
+                                      supported_architectures=tuple(MODEL_REGISTRY))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("scoring_func", "softmax", r"scoring_func='softmax'"),
+    ("hidden_act", "gelu", r"hidden_act='gelu'"),
+    ("mlp_bias", True, r"mlp_bias=True"),
+    ("quantization_config", {"quant_method": "fp8"}, r"quantization_config="),
+])
+def test_deepseek_v4_refuses_by_name(tmp_path, field, value, match):
+    path = make_tiny_model("deepseek-v4", tmp_path)
+    with pytest.raises(ValueError, match=match):
+        build_model(_model_config(path, **{field: value}), torch.device("cpu"))
+
+
+def test_deepseek_v4_checkpoint_names():
+    """Both layouts map to the same parameters: save_pretrained's (model. prefix, head.weight) and the released
+    checkpoints' (no prefix, embed.weight, attn.kv_norm, hc_head_fn); MTP tensors are skipped."""
+    v4 = object.__new__(DeepseekV4ForCausalLM)  # the mapping needs no weights
+    torch.nn.Module.__init__(v4)
+    v4.tie_word_embeddings = False
+    to = v4.checkpoint_name_to_param
+    assert to("head.weight") == ("lm_head.weight", None)
+    assert to("embed.weight") == ("embed_tokens.weight", None)
+    assert to("model.embed_tokens.weight") == ("embed_tokens.weight", None)
+    assert to("hc_head_fn") == ("hc_head.hc_fn", None)
+    assert to("model.hc_head.hc_fn") == ("hc_head.hc_fn", None)
+    assert to("layers.3.attn.kv_norm.weight") == to("model.layers.3.attn.norm.weight") == ("layers.3.attn.norm.weight",
+                                                                                          None)
+    assert to("layers.2.ffn.gate.bias") == ("layers.2.ffn.gate.e_score_correction_bias", None)
+    assert to("model.layers.1.ffn.experts.5.w3.weight") == ("layers.1.ffn.experts.gate_up_proj", ("up", 5))
+    assert to("layers.1.ffn.experts.5.w2.weight") == ("layers.1.ffn.experts.down_proj", ("down", 5))
+    assert to("mtp.0.attn.wq_a.weight") is None
