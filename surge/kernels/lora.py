@@ -127,9 +127,11 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, slot_ptr, start
         st += tl.load(s_tile + split * stride_split, mask=mask_s, other=0.0)
     bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + (first + offs_n[None, :]) * stride_bn + offs_k[:, None],
                  mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-    if bt.dtype == tl.float32:
-        delta = tl.dot(st, bt, input_precision="ieee")
-    else:  # tensor cores: s rounded to the adapter's dtype, as PEFT's lora_B(lora_A(x)) computes in it
+    if bt.dtype == tl.float32 or BLOCK_M < 64:
+        delta = tl.dot(st, bt.to(tl.float32), input_precision="ieee")
+    else:  # prefill tiles on tensor cores: s rounded to the adapter's dtype, as PEFT's lora_B(lora_A(x)) computes in
+        # it. (H200, Qwen3-8B, 8 adapters of rank 16: offline 0.683 -> 0.728 of the base; decode-sized tiles stay in
+        # float32 FMA, 0.35 ms a batch-1 step faster there.)
         delta = tl.dot(st.to(bt.dtype), bt)
     y_tile = y_ptr + rows[:, None] * stride_y + first + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]

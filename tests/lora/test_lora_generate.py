@@ -77,7 +77,7 @@ def test_mixed_batch_matches_hf_merged(base_dir, adapters, expected, engine):
     requests = _requests(adapters)
     if engine.get("speculative_config", {}).get("model") == "BASE":
         engine = {**engine, "speculative_config": {**engine["speculative_config"], "model": str(base_dir)}}
-    llm = LLM(base_dir, enable_lora=True, max_lora_rank=16, block_size=4, max_model_len=64,
+    llm = LLM(base_dir, dtype="float32", enable_lora=True, max_lora_rank=16, block_size=4, max_model_len=64,
               kv_cache_memory=1 << 22, **engine)
     rows, batch, loras = _mixed_batch(prompts, [None, *adapters], requests)
     outs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)
@@ -96,7 +96,8 @@ def test_unloaded_adapter_frees_its_slot_and_reloads_afresh(base_dir, adapters, 
     from surge.core.request import Request
 
     prompts, reference = expected
-    llm = LLM(base_dir, enable_lora=True, max_loras=2, max_lora_rank=16, block_size=4, max_model_len=64,
+    llm = LLM(base_dir, dtype="float32",
+              enable_lora=True, max_loras=2, max_lora_rank=16, block_size=4, max_model_len=64,
               kv_cache_memory=1 << 22)
     engine, manager = llm.engine, llm.engine.executor.runner.lora
     path = tmp_path / "a"
@@ -127,7 +128,8 @@ def test_unloaded_adapter_frees_its_slot_and_reloads_afresh(base_dir, adapters, 
 def test_one_adapter_for_every_prompt_and_chat(base_dir, adapters, expected):
     prompts, reference = expected
     lora = _requests(adapters)["r8"]
-    llm = LLM(base_dir, enable_lora=True, max_lora_rank=8, block_size=4, max_model_len=64, kv_cache_memory=1 << 22)
+    llm = LLM(base_dir, dtype="float32",
+              enable_lora=True, max_lora_rank=8, block_size=4, max_model_len=64, kv_cache_memory=1 << 22)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)
     assert [o.outputs[0].token_ids for o in outs] == reference["r8"]
 
@@ -135,7 +137,8 @@ def test_one_adapter_for_every_prompt_and_chat(base_dir, adapters, expected):
 def test_prefix_cache_is_never_shared_across_adapters(base_dir, adapters, expected):
     prompts, reference = expected
     requests = _requests(adapters)
-    llm = LLM(base_dir, enable_lora=True, max_loras=2, max_lora_rank=16, block_size=4, max_model_len=64,
+    llm = LLM(base_dir, dtype="float32",
+              enable_lora=True, max_loras=2, max_lora_rank=16, block_size=4, max_model_len=64,
               kv_cache_memory=1 << 22)
     prompt = prompts[1]  # 4+ full blocks
     first = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=requests["r8"])[0]
@@ -151,7 +154,8 @@ def test_prefix_cache_is_never_shared_across_adapters(base_dir, adapters, expect
 
 
 def test_bad_adapters_are_refused_by_name(base_dir, adapters, tmp_path):
-    llm = LLM(base_dir, enable_lora=True, max_lora_rank=8, block_size=4, max_model_len=64, kv_cache_memory=1 << 22)
+    llm = LLM(base_dir, dtype="float32",
+              enable_lora=True, max_lora_rank=8, block_size=4, max_model_len=64, kv_cache_memory=1 << 22)
     with pytest.raises(ValueError, match=r"rank r=16, greater than max_lora_rank=8"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=LoRARequest("big", 1, str(adapters["r16-attn"])))
     bad = make_adapter(tmp_path / "bad", base_dir, rank=4, alpha=4, targets=("q_proj",))
@@ -165,7 +169,7 @@ def test_bad_adapters_are_refused_by_name(base_dir, adapters, tmp_path):
             llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=LoRARequest(message, 2, str(bad)))
     with pytest.raises(ValueError, match="not a directory"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 3, str(tmp_path / "none")))
-    base_only = LLM(base_dir, block_size=4, max_model_len=64, kv_cache_memory=1 << 22)
+    base_only = LLM(base_dir, dtype="float32", block_size=4, max_model_len=64, kv_cache_memory=1 << 22)
     with pytest.raises(ValueError, match="enable_lora=True"):
         base_only.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=LoRARequest("r8", 1, str(adapters["r8"])))
     assert not llm.engine.has_unfinished_requests()

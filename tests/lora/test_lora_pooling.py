@@ -55,7 +55,7 @@ def _assert_close(embeddings, reference: torch.Tensor) -> None:
 def test_embed_with_an_adapter_matches_the_merged_model(embed_dir, adapter):
     merged, base = _st_encode(embed_dir, TEXTS, adapter), _st_encode(embed_dir, TEXTS)
     assert F.cosine_similarity(merged, base).max().item() < 0.99  # the adapter changes every embedding
-    llm = LLM(embed_dir, enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=256,
+    llm = LLM(embed_dir, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=256,
               kv_cache_memory=16 << 20)
     lora = LoRARequest("a", 1, str(adapter))
     _assert_close([o.outputs.embedding for o in llm.embed(TEXTS, lora_request=lora, use_tqdm=False)], merged)
