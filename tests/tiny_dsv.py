@@ -5,8 +5,10 @@ V2: queries straight from q_proj (q_lora_rank None), group-limited softmax routi
 groups eligible, 3 per token), a shared expert, every layer sparse, default rope. V3: low-rank queries (q_lora_rank),
 sigmoid routing with a correction bias (noaux_tc) in 2 groups of which 1 is eligible, renormalized and scaled, the
 first layer dense, yarn rope whose mscale and mscale_all_dim differ (so both the rope's attention factor and the
-softmax scale's mscale ** 2 matter); and V3 with NeoX rope (rope_interleave false) and attention biases. All:
-v_head_dim differs from qk_nope + qk_rope."""
+softmax scale's mscale ** 2 matter); V3 with NeoX rope (rope_interleave false) and attention biases. V2-Lite's
+shape: plain softmax top-k, no scaling, a dense first layer, yarn with equal mscales. V3 as Moonlight configures
+it: q_lora_rank None, one expert group, norm_topk_prob false, two dense layers, default rope. All: v_head_dim
+differs from qk_nope + qk_rope."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,7 +26,7 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_inter
                max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
                tie_word_embeddings=False)
 
-KINDS = ("deepseek-v2", "deepseek-v3", "deepseek-v3-neox-bias")
+KINDS = ("deepseek-v2", "deepseek-v2-lite", "deepseek-v3", "deepseek-v3-neox-bias", "deepseek-v3-moonlight")
 
 
 def tiny_config(kind: str):
@@ -33,6 +35,18 @@ def tiny_config(kind: str):
                                 topk_method="group_limited_greedy", n_group=4, topk_group=2,
                                 routed_scaling_factor=1.5, first_k_dense_replace=0,
                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if kind == "deepseek-v2-lite":  # V2-Lite's shape: plain top-k (no groups), unscaled, yarn with equal mscales
+        return DeepseekV2Config(**_COMMON, q_lora_rank=None, num_experts_per_tok=3, topk_method="greedy",
+                                routed_scaling_factor=1.0, first_k_dense_replace=1,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                 "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})
+    if kind == "deepseek-v3-moonlight":  # V3 routing as Moonlight configures it: one group, weights not renormalized;
+        config = tiny_config("deepseek-v3")  # queries straight from q_proj; two dense layers; default rope
+        config.q_lora_rank, config.norm_topk_prob, config.n_group, config.topk_group = None, False, 1, 1
+        config.first_k_dense_replace = 2
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 50000.0}
+        return config
     if kind == "deepseek-v3-neox-bias":  # rope in halves (rope_interleave false), biases on q_a, kv_a and o
         config = tiny_config("deepseek-v3")
         config.rope_interleave, config.attention_bias = False, True
