@@ -199,3 +199,31 @@ def test_refused_by_name(tmp_path, kind, spec, match):
         path = make_tiny_mtp_model(tmp_path / "m", "random")
     with pytest.raises(ValueError, match=match):
         LLM(str(path), speculative_config={**_spec(1), **spec}, **BASE, **ENGINES["plain"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/h200 spec-tests)")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_on_cuda(checkpoints, async_scheduling):
+    """On the GPU, float32: greedy identical and the copy accepted; synchronously, every draft of the random layer
+    equals the reference (under async scheduling the drafts stay on the device, verified before the host sees
+    them)."""
+    cuda = {**BASE, "device": "cuda", "dtype": "float32", "kv_cache_memory": 1 << 26,
+            "async_scheduling": async_scheduling}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for kind in ("copy", "random"):
+        path = str(checkpoints[kind])
+        ref = LLM(path, **cuda).generate(_prompts(), params, use_tqdm=False)
+        llm = LLM(path, speculative_config=_spec(3), **cuda)
+        seen = _record_proposals(llm)
+        outs, (proposed, accepted) = _generate(llm, _prompts(), params)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+        assert proposed > 0 and (accepted > 0 or kind == "random")
+        assert bool(seen) != async_scheduling
+        reference = Reference(checkpoints[kind])
+        for tokens, drafts in seen:
+            expect, margins = reference.drafts(tokens, len(drafts))
+            for got, want, margin in zip(drafts, expect, margins):
+                if margin > 1e-4:
+                    assert got == want, (tokens, drafts, expect)
+                if got != want:
+                    break
