@@ -13,6 +13,9 @@ the positions and slots are corrected on the device: the host never waits for it
 the host, the CPU's, reads the correction), and under async scheduling the next step verifies the drafts before
 the host has seen them. `counts` says how each forward ran and how often the host waited (bench latency prints
 them per step).
+
+A DeepSeek-V3 checkpoint's MTP layer is a draft of this kind too (MTPDraft, mtp_draft.py): it overrides how the
+step's forward and the decode passes read their inputs (after_sampling, decode_pass), the rest is shared.
 """
 from __future__ import annotations
 
