@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import types
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -413,7 +414,7 @@ class WeightCacheConfig:
             raise ValueError(f"weight_cache_dir={self.socket_dir!r} must be a directory path")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "deepseek_mtp")
 
 # How a draft model's ParallelConfig follows the target's: every field has a policy, and a test fails for a field
 # that has none (vLLM #55914: a draft config copied field by field silently dropped expert parallelism).
@@ -432,7 +433,9 @@ DRAFT_PARALLEL_POLICY: dict[str, tuple[str, str]] = {
 class SpeculativeConfig:
     """Speculative decoding as vLLM users write `--speculative-config`: a proposer method and k tokens per step.
     ngram: prompt lookup over the request's own tokens (prompt_lookup_min..max long matches); draft_model: a
-    smaller model sharing the tokenizer (`model`), its tensor-parallel size 1 or the target's."""
+    smaller model sharing the tokenizer (`model`), its tensor-parallel size 1 or the target's; deepseek_mtp: the
+    target checkpoint's own multi-token-prediction layer (surge/model/models/deepseek_mtp.py), run k times
+    recurrently, on the target's ranks."""
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
@@ -459,6 +462,9 @@ class SpeculativeConfig:
                              "'draft_model'")
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config.model is for method 'draft_model'; 'ngram' uses no model")
+        if self.method == "deepseek_mtp" and self.draft_tensor_parallel_size is not None:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size}: the "
+                             "'deepseek_mtp' draft runs on the target's ranks; leave it unset")
         if self.draft is not None and not isinstance(self.draft, ModelConfig):
             raise ValueError("speculative_config.draft is derived by the engine from 'model'; do not set it")
 
@@ -467,6 +473,18 @@ class SpeculativeConfig:
         """From JSON text or a dict with the fields above; unknown keys are an error naming them."""
         return _parse_json_config(SpeculativeConfig, "speculative_config", value, ("method", "num_speculative_tokens"),
                                   '{"method": "ngram", "num_speculative_tokens": 3}')
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """A model proposes (surge/worker/draft_model.py), with its own KV cache layers in the target's blocks."""
+        return self.method in ("draft_model", "deepseek_mtp")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past a step's end that the draft writes: a draft model decodes k tokens from the new last one;
+        the MTP layer's first draft comes from the step's own positions, its k - 1 others from decode passes."""
+        return {"draft_model": self.num_speculative_tokens,
+                "deepseek_mtp": self.num_speculative_tokens - 1}.get(self.method, 0)
 
     def draft_parallel_config(self, target: ParallelConfig) -> ParallelConfig:
         """The target's ParallelConfig, copied, with the overrides DRAFT_PARALLEL_POLICY names."""
@@ -490,6 +508,21 @@ class SpeculativeConfig:
                              f"from the target's ({target.vocab_size}); the draft must share the tokenizer")
         return dataclasses.replace(draft, dtype=target.dtype, max_model_len=target.max_model_len,
                                    load_format=target.load_format)
+
+    def mtp_model_config(self, target: ModelConfig) -> ModelConfig:
+        """deepseek_mtp: the target's own config and checkpoint, whose one MTP layer (num_nextn_predict_layers = 1,
+        as DeepSeek-V3/R1 ship it) is the draft: with more, each step would have to chain them to fill every one's
+        KV cache, which is not implemented. `model`, if given, must be the target's directory. Read from disk even
+        when the target comes from the weight cache, whose daemons hold the target's layers only."""
+        if self.model is not None and os.path.normpath(self.model) != os.path.normpath(target.model):
+            raise ValueError(f"speculative_config.model={self.model!r}: method 'deepseek_mtp' reads the target's "
+                             f"own checkpoint ({target.model!r}); leave model unset")
+        num = getattr(target.text_config, "num_nextn_predict_layers", None) or 0
+        if num != 1:
+            raise ValueError(f"speculative_config.method='deepseek_mtp' needs a checkpoint with one MTP layer; "
+                             f"model={target.model!r} has num_nextn_predict_layers={num}")
+        load_format = "safetensors" if target.load_format == "weight_cache" else target.load_format
+        return dataclasses.replace(target, load_format=load_format)
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

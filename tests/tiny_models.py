@@ -52,6 +52,25 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
     return save_tiny(tiny_config(kind), path, seed)
 
 
+@torch.no_grad()
+def randomize(module: torch.nn.Module, extra: tuple[tuple[str, float], ...] = ()) -> None:
+    """save_tiny's rules on a module's parameters and buffers (from the global RNG)."""
+    for name, p in module.named_parameters():
+        rule = next((std for fragment, std in extra if fragment in name), None)
+        if rule is not None:
+            p.normal_(0.0, rule)
+        elif "norm" in name:
+            p.uniform_(0.5, 1.5)
+        elif name.endswith("bias"):
+            p.normal_(0.0, 0.1)
+        elif name.endswith("mlp.gate.weight"):
+            p.normal_(0.0, 0.3)
+    for name, b in module.named_buffers():  # buffers saved with the weights (a router's correction bias)
+        rule = next((std for fragment, std in extra if fragment in name), None)
+        if rule is not None:
+            b.normal_(0.0, rule)
+
+
 def save_tiny(config, path: Path, seed: int = 0, extra: tuple[tuple[str, float], ...] = ()) -> Path:
     """An HF model of `config`, randomized where HF's init would hide a mistake, saved with the byte tokenizer.
     HF initializes norms to 1 (or 0 for (1 + w) norms) and biases to 0: norms uniform in [0.5, 1.5], biases
@@ -59,21 +78,7 @@ def save_tiny(config, path: Path, seed: int = 0, extra: tuple[tuple[str, float],
     tried first (a family's sinks, a larger router or q/k scale), and on buffers too (DeepSeek V3's router bias)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            rule = next((std for fragment, std in extra if fragment in name), None)
-            if rule is not None:
-                p.normal_(0.0, rule)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.3)
-        for name, b in model.named_buffers():  # buffers saved with the weights (a router's correction bias)
-            rule = next((std for fragment, std in extra if fragment in name), None)
-            if rule is not None:
-                b.normal_(0.0, rule)
+    randomize(model, extra)
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path

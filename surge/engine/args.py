@@ -21,7 +21,7 @@ from surge.config import (CUDA_GRAPH_CAPTURE_MODES, RUNNERS, WEIGHT_CACHE_MODES,
                           SpeculativeConfig, StructuredOutputsConfig, WeightCacheConfig)
 from surge.engine.sentence_transformers_config import read_pooler_config
 from surge.model.loader.base import load_formats
-from surge.model.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
+from surge.model.models.registry import SUPPORTED_ARCHITECTURES, get_model_class, get_mtp_model_class
 from surge.model.presets import PRESETS, preset_model_config
 from surge.structured_output.reasoning import REASONING_MARKERS
 
@@ -281,6 +281,9 @@ class EngineArgs:
         if self.speculative_config is None:
             return None
         config = SpeculativeConfig.parse(self.speculative_config)
+        if config.method == "deepseek_mtp":
+            get_mtp_model_class(target.architecture)  # refuses an architecture without one, by name
+            return dataclasses.replace(config, draft=config.mtp_model_config(target))
         if config.method != "draft_model":
             return config
         # The draft at the target's length: a draft that cannot reach it fails here, naming itself.

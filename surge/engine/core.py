@@ -92,8 +92,7 @@ class EngineCore:
         device_ngram = sc is not None and sc.method == "ngram" and self.async_scheduling
         device_drafts = sc is not None and self.async_scheduling
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
-                                   num_lookahead_tokens=sc.num_speculative_tokens
-                                   if sc is not None and sc.method == "draft_model" else 0,
+                                   num_lookahead_tokens=sc.num_lookahead_tokens if sc is not None else 0,
                                    num_device_drafts=sc.num_speculative_tokens if device_drafts else 0,
                                    max_loras=config.lora_config.max_loras if config.lora_config else 0)
         # Host n-gram drafts are looked up here; a draft model's, and device ones, come with each step's output.

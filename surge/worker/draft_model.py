@@ -13,6 +13,9 @@ the positions and slots are corrected on the device: the host never waits for it
 the host, the CPU's, reads the correction), and under async scheduling the next step verifies the drafts before
 the host has seen them. `counts` says how each forward ran and how often the host waited (bench latency prints
 them per step).
+
+A DeepSeek-V3 checkpoint's MTP layer is a draft of this kind too (MTPDraft, mtp_draft.py): it overrides how the
+step's forward and the decode passes read their inputs (after_sampling, decode_pass), the rest is shared.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from collections import Counter
 
 import numpy as np
 import torch
+from torch import nn
 
 from surge.attention.backend import AttentionBackend
 from surge.config import EngineConfig
@@ -36,29 +40,38 @@ logger = init_logger(__name__)
 
 
 class DraftModel:
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, target: nn.Module | None = None) -> None:
+        """target: the target model, for a draft that shares its modules (MTPDraft)."""
         sc = config.speculative_config
-        assert sc is not None and sc.method == "draft_model" and sc.draft is not None
+        assert sc is not None and sc.uses_draft_model and sc.draft is not None
         parallel = sc.draft_parallel_config(config.parallel_config)
         if parallel.tensor_parallel_size != config.parallel_config.tensor_parallel_size:
             raise ValueError(f"speculative_config.draft_tensor_parallel_size={parallel.tensor_parallel_size}: a "
                              "draft on fewer ranks than the target is not supported yet; leave it unset (the "
                              f"target's {config.parallel_config.tensor_parallel_size})")
         self.config = dataclasses.replace(config, model_config=sc.draft, parallel_config=parallel)
+        # Expert parallelism reaches the draft through the process's groups, which the target's config made: the
+        # draft's (derived by DRAFT_PARALLEL_POLICY) must say the same.
+        assert parallel.enable_expert_parallel == config.parallel_config.enable_expert_parallel
         self.k = sc.num_speculative_tokens
+        self.num_passes = self.k  # decode passes per proposal
         self.device = device
         self.tp = get_tp_group()
-        self.model = load_model(self.config, device)
-        mc = sc.draft
-        logger.info("loaded the draft %s (%s, %d layers) for k=%d", mc.architecture, mc.dtype, mc.num_layers, self.k)
+        self.model = self.load(target)
+        logger.info("loaded the draft %s (%s, %d layers) for k=%d", type(self.model).__name__, sc.draft.dtype,
+                    len(self.model.attention_layers()), self.k)
         self.kv_caches: list[torch.Tensor] = []
         self.inputs: StepInputs | None = None
         self.graph_runner: CUDAGraphRunner | None = None  # decode passes, over self.inputs
         self.step_graphs: CUDAGraphRunner | None = None  # each step's forward, over the runner's StepInputs
         self.backend: AttentionBackend | None = None
+        self.graph_safe = False  # whether the backend may replay the draft's layers in graphs (bind_kv_cache)
         # "steps"; "step graph" / "step eager", "pass graph" / "pass eager": draft forwards by how they ran;
         # "host waits": device values the host read (each makes the host wait for the device's queue)
         self.counts: Counter[str] = Counter()
+
+    def load(self, target: nn.Module | None) -> nn.Module:
+        return load_model(self.config, self.device)
 
     def bytes_per_block(self, block_size: int) -> int:
         """What one block id costs in the draft's layers (added to the target's when the cache is sized)."""
@@ -72,6 +85,8 @@ class DraftModel:
         """One cache tensor per draft layer, addressed through the target group of the same attention kind."""
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
         self.backend = backend
+        self.graph_safe = backend.supports_cuda_graphs_for(
+            tuple(dict.fromkeys(attn.params for attn in self.model.attention_layers())))
         windows = {getattr(g.spec, "sliding_window", None): g.group_id for g in target.groups}
         for layer_id, attn in enumerate(self.model.attention_layers()):
             window = attn.sliding_window
@@ -95,7 +110,7 @@ class DraftModel:
         the decode passes, one over the runner's for each step's forward (mixed steps included: eager, the step's
         forward was ~10 launches per layer from the host every step, a verification's k + 1 tokens among them)."""
         mc, sc = self.config.model_config, self.config.scheduler_config
-        if self.config.enforce_eager or self.backend is None or not self.backend.supports_cuda_graphs:
+        if self.config.enforce_eager or self.backend is None or not self.graph_safe:
             return
         self.graph_runner = CUDAGraphRunner(self.model, self.inputs, self.backend, sc.max_num_seqs,
                                             mc.max_model_len)
@@ -109,6 +124,13 @@ class DraftModel:
         sizes = capture_sizes(sc.max_num_seqs) if not self.config.enforce_eager else []
         backend.warm_up(self.device, params, cc.block_size, mc.dtype, sizes, sc.max_num_seqs,
                         self.config.warmup_workers, cc.cache_dtype(mc.dtype))
+
+    def after_sampling(self, inputs: StepInputs, batch, hidden: torch.Tensor, last_sampled: torch.Tensor | None,
+                       last_rows: dict[str, int], verified, ahead=None):
+        """The draft's work once the step sampled: its KV for the step's tokens, then propose_after's proposals.
+        hidden: the target's final hidden states of the step's tokens (unused here: MTPDraft reads them)."""
+        self.forward_step(inputs, batch.num_tokens, batch.meta)
+        return self.propose_after(batch, last_sampled, last_rows, verified, ahead)
 
     def forward_step(self, inputs: StepInputs, num_tokens: int, meta) -> None:
         """The step's tokens through the draft, with the target's inputs and metadata: its KV for them. A graph
@@ -128,13 +150,13 @@ class DraftModel:
 
     @torch.inference_mode()
     def propose(self, first_tokens: torch.Tensor, positions: list[int], block_ids: list[list[list[int]]],
-                behind: torch.Tensor | None = None) -> torch.Tensor:
-        """k greedy tokens [n, k] per request from its new last token (first_tokens [n], on every rank) at
-        positions[i] - behind[i] (behind: on the device, None: 0), its block table per group block_ids[i]. A
-        position past the request's blocks (the end of max_model_len) writes to the null block; its drafts are cut
-        off by the engine anyway."""
+                behind: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """num_passes greedy tokens [n, num_passes] per request from its new last token (first_tokens [n], on every
+        rank) at positions[i] - behind[i] (behind: on the device, None: 0), its block table per group
+        block_ids[i]; hidden: what the first pass reads beside it (an MTP layer's). A position past the request's
+        blocks (the end of max_model_len) writes to the null block; its drafts are cut off by the engine anyway."""
         inp, bs = self.inputs, self.config.cache_config.block_size
-        n, k = len(positions), self.k
+        n, k = len(positions), self.num_passes
         pos = np.asarray(positions, dtype=np.int64)[None, :] + np.arange(k, dtype=np.int64)[:, None]  # [k, n]
         parts, widths = [pos.reshape(-1)], []
         for g in range(len(inp.block_tables)):
@@ -149,7 +171,7 @@ class DraftModel:
         pos_dev, o = dev[:k * n].view(k, n), k * n
         if behind is not None:
             pos_dev = pos_dev - behind[None, :]
-            if not self.backend.supports_cuda_graphs:  # it reads the lengths on the host: the exact ones
+            if not self.graph_safe:  # it reads the lengths on the host: the exact ones
                 self.counts["host waits"] += 1
                 pos = pos - np.asarray(behind.tolist(), dtype=np.int64)[None, :]
         slot_dev, col = [], pos_dev // bs
@@ -163,7 +185,6 @@ class DraftModel:
         inp.query_start_loc[:n + 1].copy_(torch.arange(n + 1, device=self.device))
         inp.input_ids[:n].copy_(first_tokens)
         drafts = torch.empty(n, k, dtype=torch.int64, device=self.device)
-        graphs = self.graph_runner
         for j in range(k):
             inp.positions[:n].copy_(pos_dev[j])
             inp.seq_lens[:n].copy_(pos_dev[j] + 1)
@@ -171,19 +192,27 @@ class DraftModel:
                 inp.slot_mapping[g][:n].copy_(slots[j])
             seq_lens = (pos[j] + 1).tolist()  # exact, or upper bounds (the kernels read the device's)
             meta = inp.metadata(self.backend, n, n, list(range(n + 1)), seq_lens, 1, max(seq_lens))
-            if graphs is not None and graphs.padded_size(n):
-                self.counts["pass graph"] += 1
-                hidden = graphs.replay(n)
-            else:
-                self.counts["pass eager"] += 1
-                hidden = self.model(inp.input_ids[:n], inp.positions[:n], meta)
-            logits = self.model.compute_logits(hidden)  # rank 0 only
-            nxt = logits.argmax(dim=-1) if logits is not None else torch.empty(n, dtype=torch.int64,
-                                                                                device=self.device)
-            nxt = self.tp.broadcast(nxt)
+            hidden = self.decode_pass(n, meta, hidden)
+            nxt = self.greedy(hidden)
             drafts[:, j] = nxt
             inp.input_ids[:n].copy_(nxt)
         return drafts
+
+    def decode_pass(self, n: int, meta, hidden: torch.Tensor | None) -> torch.Tensor:
+        """One token per request through the draft, its inputs in self.inputs; returns its hidden states [n, H]."""
+        graphs = self.graph_runner
+        if graphs is not None and graphs.padded_size(n):
+            self.counts["pass graph"] += 1
+            return graphs.replay(n)
+        self.counts["pass eager"] += 1
+        return self.model(self.inputs.input_ids[:n], self.inputs.positions[:n], meta)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's argmax token of each row [n], on every rank (rank 0 computes the logits)."""
+        logits = self.model.compute_logits(hidden)  # rank 0 only
+        nxt = logits.argmax(dim=-1) if logits is not None else torch.empty(hidden.shape[0], dtype=torch.int64,
+                                                                            device=self.device)
+        return self.tp.broadcast(nxt)
 
     def propose_after(self, batch, last_sampled: torch.Tensor | None, last_rows: dict[str, int],
                       verified, ahead=None):
@@ -192,6 +221,21 @@ class DraftModel:
         were accepted, by one broadcast). Returns None, or (request ids, drafts [n, k], the new last tokens [n],
         the drafts each rejected [n]), the last three on the device: what a step scheduled ahead of this one's
         verdict starts from (StepInputs.DeviceDrafts; ahead: the one this step started from)."""
+        start = self.start_points(batch, last_sampled, last_rows, verified, ahead)
+        if start is None:
+            return None
+        rows, first_t, rejected, behind, positions = start
+        self.counts["steps"] += 1
+        drafts = self.propose(first_t, positions, [state.block_ids for _, state in rows],
+                              behind if verified is not None else None)
+        return [s.request_id for s, _ in rows], drafts, first_t, rejected
+
+    def start_points(self, batch, last_sampled: torch.Tensor | None, last_rows: dict[str, int], verified,
+                     ahead=None):
+        """Where each sampling request's proposals start: None when no request sampled, else (its rows (scheduled,
+        state), its new last token [n] and the drafts this step rejected [n], on the device, how far before the
+        host's count it starts [n] (those and, for a row scheduled ahead, the verdict before's), and the host's
+        count: the step's end)."""
         rows = [(s, state) for s, state in zip(batch.scheduled, batch.states) if s.samples]
         if not rows:
             return None
@@ -225,8 +269,4 @@ class DraftModel:
             positions.append(s.num_computed_tokens + s.num_new_tokens)
             if first[i] is None:
                 first[i] = last_sampled[last_rows[s.request_id]]
-        self.counts["steps"] += 1
-        first_t = torch.stack(first)
-        drafts = self.propose(first_t, positions, [state.block_ids for _, state in rows],
-                              behind if verified is not None else None)
-        return [s.request_id for s, _ in rows], drafts, first_t, rejected
+        return rows, torch.stack(first), rejected, behind, positions

@@ -34,6 +34,7 @@ from surge.model.loader.base import build_model, load_model
 from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from surge.worker.request_state import CachedRequestState, RequestStates
 from surge.worker.draft_model import DraftModel
+from surge.worker.mtp_draft import MTPDraft
 from surge.worker.encoder_cache import EncoderCache
 from surge.worker.ngram_lookup import DeviceNgram, Verdicts
 from surge.worker.pooling import finish_pooled, gather_pooled
@@ -125,8 +126,10 @@ class ModelRunner:
         self.tp = get_tp_group()
         self.samples = self.tp.rank == 0  # the rank that receives logits
         self.backend = get_backend(default_backend_name(self.device))
-        spec = config.speculative_config  # a draft model: its own KV layers in the same blocks
-        self.draft = DraftModel(config, self.device) if spec is not None and spec.method == "draft_model" else None
+        spec = config.speculative_config  # a draft model (or the target's MTP layer): its own KV layers, same blocks
+        self.draft: DraftModel | None = None
+        if spec is not None and spec.uses_draft_model:
+            self.draft = (MTPDraft if spec.method == "deepseek_mtp" else DraftModel)(config, self.device, self.model)
         # n-gram drafts under async scheduling: looked up here, on the device, after every sampling step, so a
         # request's next step can be launched before its verdict reaches the host (the engine looks them up on
         # the host otherwise). _ahead: what the last step left for such a step (a draft model's drafts too).
@@ -289,9 +292,8 @@ class ModelRunner:
             self.compute_prompt_logprobs(batch, hidden, pending)
             self.sample(batch, hidden, pending)
             if self.draft is not None:  # its KV for this step's tokens, then k proposals per sampling request
-                self.draft.forward_step(self.inputs, batch.num_tokens, batch.meta)
-                drafted = self.draft.propose_after(batch, self._last_sampled, self._last_rows, self._verified,
-                                                   self._ahead)
+                drafted = self.draft.after_sampling(self.inputs, batch, hidden, self._last_sampled, self._last_rows,
+                                                    self._verified, self._ahead)
                 self._ahead = None
                 if drafted is not None:
                     rids, drafts, first, rejected = drafted

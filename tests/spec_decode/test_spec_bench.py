@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from tiny_dsv import make_tiny_mtp_model
 from tiny_models import make_tiny_model
 
 from surge.entrypoints.cli.main import main
@@ -46,3 +47,19 @@ def test_latency_with_a_draft_model_prints_how_its_forwards_ran(tmp_path, capsys
                   r"0\.00 graph \+ (\d\.\d\d) eager, host waits (\d\.\d\d)", out)
     assert m and int(m[1]) > 0, out
     assert 1.0 <= float(m[2]) <= 2.0 and float(m[3]) == 3.0 and float(m[4]) <= 1.0
+
+
+def test_latency_with_deepseek_mtp_prints_the_acceptance_rate(tmp_path, capsys):
+    """The MTP layer of a tiny V3 (a copy of its one layer: tests/tiny_dsv.py) as the draft: its acceptance rate,
+    and per step its forward over the step's tokens and k - 1 decode passes (eager)."""
+    model_dir = make_tiny_mtp_model(tmp_path / "v3", "copy")
+    spec = '{"method": "deepseek_mtp", "num_speculative_tokens": 3}'
+    assert main(["bench", "latency", "--model", str(model_dir), "--device", "cpu", "--kv-cache-memory",
+                 str(1 << 22), "--max-model-len", "256", "--batch-sizes", "1", "--output-len", "12", "--repeats", "1",
+                 "--input-len", "16", "--speculative-config", spec]) in (0, None)
+    out = capsys.readouterr().out
+    assert "speculative decoding: deepseek_mtp, k=3" in out and "greedy identical: True" in out
+    rate = re.search(r"acceptance rate (\d+\.\d)%", out)
+    assert rate and float(rate[1]) > 0, out
+    m = re.search(r"decode passes 0\.00 graph \+ (\d\.\d\d) eager", out)
+    assert m and float(m[1]) == 2.0, out

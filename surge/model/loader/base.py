@@ -57,9 +57,10 @@ def get_loader(name: str) -> Loader:
     return _LOADERS[name]
 
 
-def build_model(config: ModelConfig, device: torch.device) -> nn.Module:
-    """The model on `device`, its linear layers' parameters those of its quantization (surge/model/quant)."""
-    cls = get_model_class(config.architecture, config.runner)
+def build_model(config: ModelConfig, device: torch.device, cls: type[nn.Module] | None = None) -> nn.Module:
+    """The model on `device`, its linear layers' parameters those of its quantization (surge/model/quant). cls:
+    another class built from the same config and checkpoint (a target's MTP draft); None: the architecture's."""
+    cls = cls or get_model_class(config.architecture, config.runner)
     quant = get_quant_config(config.quantization_config, config.quantization)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
@@ -75,9 +76,10 @@ def build_model(config: ModelConfig, device: torch.device) -> nn.Module:
     return model.eval()
 
 
-def load_from_disk(config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
-    """Built, then filled from the checkpoint (or randomly for load_format="dummy")."""
-    model = build_model(config, device)
+def load_from_disk(config: ModelConfig, device: torch.device, seed: int = 0,
+                   cls: type[nn.Module] | None = None) -> nn.Module:
+    """Built (as build_model's cls), then filled from the checkpoint (or randomly for load_format="dummy")."""
+    model = build_model(config, device, cls)
     if config.load_format == "dummy":
         init_dummy_weights(model, seed)
     else:

@@ -17,7 +17,8 @@ Routing: V2 softmax top-k, optionally within the topk_group best of n_group grou
 Tensor parallelism splits the heads (q, kv_b_proj's rows, o_proj's columns); the latent projection and the latent
 cache are replicated: every head reads the whole latent, so a split latent would cost an all-gather per layer, and
 the cache is 576 values a token however many ranks. MTP layers (num_nextn_predict_layers, checkpoint layers from
-num_hidden_layers on) are skipped at load: the MTP draft is a later step.
+num_hidden_layers on) are not the target's: skipped here, loaded by DeepseekMTP (deepseek_mtp.py) as the draft of
+speculative_config method "deepseek_mtp".
 """
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         require(tc, "hidden_act", ("silu",))  # the fused experts compute SiLU
         self.check_routing(tc)
         super().__init__(config, quant_config)
-        # MTP layers follow the decoder's in the checkpoint (model.layers.<num_hidden_layers + i>): not loaded yet.
+        # MTP layers follow the decoder's in the checkpoint (model.layers.<num_hidden_layers + i>): the draft's.
         num_mtp = int(cfg_get(tc, "num_nextn_predict_layers", 0))
         if num_mtp:
             mtp = "|".join(str(tc.num_hidden_layers + i) for i in range(num_mtp))

@@ -26,6 +26,7 @@ from surge.model.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from surge.model.models.ernie4_5 import Ernie4_5ForCausalLM
 from surge.model.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from surge.model.models.deepseek_v4 import DeepseekV4ForCausalLM
+from surge.model.models.deepseek_mtp import DeepseekMTP
 from surge.model.models.llava import LlavaForConditionalGeneration
 from surge.model.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from surge.model.models.pooling import as_pooling_model
@@ -66,6 +67,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
 }
 
+# The draft of speculative_config method "deepseek_mtp": the architecture's multi-token-prediction layers.
+MTP_MODELS: dict[str, type[nn.Module]] = {
+    "DeepseekV3ForCausalLM": DeepseekMTP,
+}
+
 
 # Every family also serves as a pooling model (runner "pooling"): its `*ForSequenceClassification` (a score head) and
 # its bare `*Model` (hidden states, as sentence-transformers saves it) name the family's pooling class.
@@ -92,6 +98,13 @@ def _pooling_class(causal_arch: str) -> type[nn.Module]:
     if causal_arch not in _POOLING_CLASSES:
         _POOLING_CLASSES[causal_arch] = as_pooling_model(MODEL_REGISTRY[causal_arch])
     return _POOLING_CLASSES[causal_arch]
+
+
+def get_mtp_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in MTP_MODELS:
+        raise ValueError(f"speculative_config.method='deepseek_mtp' needs a model with MTP layers; {architecture} has "
+                         f"none that Surge runs (supported: {', '.join(MTP_MODELS)})")
+    return MTP_MODELS[architecture]
 
 
 def architectures_markdown() -> str:
