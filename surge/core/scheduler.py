@@ -95,6 +95,10 @@ class Scheduler:
             else:
                 num_spec = self._num_spec_tokens(req)
                 num_new = min(req.num_tokens_with_pending - req.num_computed_tokens + num_spec, budget)
+                num_new = self._whole_images(req, req.num_computed_tokens, num_new)
+                if not num_new:  # the next image does not fit in what is left of the budget
+                    i += 1
+                    continue
             assert num_new > 0
             lookahead = self._num_lookahead(req.num_computed_tokens + num_new, req.num_tokens_with_pending)
             # Drafts in flight may still roll the computed tokens back: sliding windows keep blocks for that.
@@ -141,6 +145,10 @@ class Scheduler:
             elif not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            if not load_async:
+                num_new = self._whole_images(req, req.num_computed_tokens + num_hit + num_external, num_new)
+                if not num_new:
+                    break  # its next image waits for a step with room for all of it
             lookahead = self._num_lookahead(req.num_computed_tokens + num_hit + num_external + num_new,
                                             req.num_tokens)
             if not self.kv.allocate_slots(req, num_external + num_new + lookahead, hit, num_hit,
@@ -188,6 +196,17 @@ class Scheduler:
 
     def _running_adapters(self) -> set[int]:
         return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def _whole_images(self, req: Request, start: int, num_new: int) -> int:
+        """num_new, or under disable_chunked_mm_input fewer: the chunk [start, start + num_new) stops before an image
+        it would end inside (0 when it starts inside one: after a prefix-cache hit, the rest of that image)."""
+        if not self.config.disable_chunked_mm_input:
+            return num_new
+        end = start + num_new
+        for f in req.mm_features:
+            if f.offset < end < f.end:
+                return max(0, f.offset - start)
+        return num_new
 
     def _num_lookahead(self, end: int, num_tokens: int) -> int:
         """Slots past a step's end for the draft model's proposals: only when the step samples, within

@@ -26,6 +26,7 @@ from surge.model.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from surge.model.models.ernie4_5 import Ernie4_5ForCausalLM
 from surge.model.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from surge.model.models.llava import LlavaForConditionalGeneration
+from surge.model.models.gemma3_mm import Gemma3ForConditionalGeneration
 from surge.model.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from surge.model.models.pooling import as_pooling_model
 
@@ -62,6 +63,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 
