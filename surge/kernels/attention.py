@@ -231,7 +231,6 @@ def _paged_attention_kernel(
             s = softcap * _tanh(s / softcap)
         visible = pos[None, :] <= q_end[:, None]
         if SLIDING:  # the window is behind the query, whatever it sees ahead
-
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

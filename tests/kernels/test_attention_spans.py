@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from surge.attention.backend import AttentionParams
 from surge.attention.torch_backend import TorchAttentionBackend
 from test_attention import TOL, _batch, _dense_reference, _run_triton, params
 
@@ -76,3 +77,40 @@ def test_causal_end_is_refused_on_decode_launches(device):
         PagedAttention(device, 132)(q, cache[0], cache[1], meta.block_table, meta.seq_lens_t, meta.query_start_loc_t,
                                     num_seqs=2, decode_only=True, sliding_window=None, scale=0.1,
                                     causal_end=torch.zeros(2, dtype=torch.int32, device=device))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles for the GPU")
+@pytest.mark.parametrize("batch", [MANY, FEW], ids=["mixed", "few-token"])
+def test_warm_up_compiles_the_spans_variants(batch):
+    """A layer with bidirectional spans warms up the mixed launches with causal_end too: a step computing images
+    then compiles nothing."""
+    from surge.attention.triton_backend import TritonAttentionBackend, warm_up_keys
+    from surge.kernels.attention import PagedAttention, _merge_splits_kernel, _paged_attention_kernel
+    from test_attention import _num_compiled
+
+    device = torch.device("cuda")
+    requests, spans = batch
+    q, k, v, cache, meta, _, _ = _batch(requests, 16, 8, 2, 32, torch.bfloat16, device, seed=9)
+    meta.causal_end = causal_end(requests, spans, device)
+    layer = dataclasses.replace(params(q, cache, 9, 32 ** -0.5), bidirectional_spans=True)
+    backend = TritonAttentionBackend()
+    kernel = backend._kernels[q.device] = PagedAttention(q.device, 132)
+    kernel.compile_many(warm_up_keys(kernel, (layer,), 16, torch.bfloat16, [], len(requests)))
+    before = _num_compiled(_paged_attention_kernel), _num_compiled(_merge_splits_kernel)
+    backend.forward(q, k, v, cache, meta, layer)
+    torch.cuda.synchronize()
+    assert (_num_compiled(_paged_attention_kernel), _num_compiled(_merge_splits_kernel)) == before
+
+
+def test_warm_up_keys_add_spans_variants_of_the_mixed_launches_only():
+    from surge.attention.triton_backend import warm_up_keys
+    from surge.kernels.attention import PagedAttention
+
+    kernel = PagedAttention(torch.device("cpu"), 132)
+    plain = AttentionParams(8, 2, 32, 0.1, 9)
+    plain_keys = set(warm_up_keys(kernel, (plain,), 16, torch.bfloat16, [1, 64], 64))
+    keys = set(warm_up_keys(kernel, (dataclasses.replace(plain, bidirectional_spans=True),), 16, torch.bfloat16,
+                            [1, 64], 64))
+    spans = keys - plain_keys
+    assert len(spans) == 2 and all(k.spans and not k.launch.decode for k in spans)  # few-token and general
+    assert {dataclasses.replace(k, spans=False) for k in spans} <= plain_keys
