@@ -22,8 +22,8 @@ def _request(rid: str, prompt_len: int, images: list[tuple[int, int]], max_token
     """A prompt of distinct tokens (then tail) with an image at each (offset, length), each image its own."""
     features = [MultiModalFeature.of(torch.full((1,), float(i)), offset, length)
                 for i, (offset, length) in enumerate(images)]
-    return Request(rid, list(range(start, start + prompt_len)) + list(tail), SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                ignore_eos=True), BS, mm_features=features)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, list(range(start, start + prompt_len)) + list(tail), params, BS, mm_features=features)
 
 
 def _scheduler(budget: int, whole_images: bool = True, enable_caching: bool = False) -> Scheduler:

@@ -115,3 +115,31 @@ def test_an_image_longer_than_a_step_is_a_clear_error(tiny):
               max_model_len=64)
     with pytest.raises(ValueError, match="image of 16 tokens does not fit in one step of max_num_batched_tokens=12"):
         llm.generate({"prompt": f"x {IMG}", "multi_modal_data": {"image": random_image(0)}}, GREEDY)
+
+
+def test_gemma_3_4b_preset_shapes():
+    """The preset (google/gemma-3-4b-it's config.json) builds, shapes only: 4.30B parameters, 0.42B of them the
+    SigLIP tower; every decoder layer (5 sliding of 1024 to each global) sees images both ways; the released
+    checkpoint's names (`language_model.model.*`, `vision_tower.vision_model.*`, `multi_modal_projector.*`, no
+    `lm_head`: tied) map onto its parameters."""
+    from surge.model.loader.base import build_model
+    from surge.model.presets import preset_model_config
+
+    mc = preset_model_config("gemma-3-4b", "bfloat16", torch.device("cpu"), max_model_len=4096)
+    model = build_model(mc, torch.device("meta"))
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 4.30
+    assert round(sum(p.numel() for p in model.vision_tower.parameters()) / 1e9, 2) == 0.42
+    layers = model.attention_layers()
+    assert len(layers) == 34 and all(a.params.bidirectional_spans for a in layers)
+    assert [a.params.sliding_window for a in layers[:6]] == [1024] * 5 + [None]
+    assert model.multi_modal_projector.kernel == 4  # 64 patches a side pooled to 16
+    params = dict(model.named_parameters())
+    lm, tower, proj = "language_model.", "vision_tower.", "multi_modal_projector.mm_soft_emb_norm.weight"
+    for name, param, shard in [(lm + "model.layers.3.self_attn.k_proj.weight",
+                                lm + "layers.3.self_attn.qkv_proj.weight", "k"),
+                               (tower + "vision_model.encoder.layers.0.mlp.fc1.weight",
+                                tower + "encoder.layers.0.mlp.fc1.weight", None),
+                               (proj, proj, None),
+                               (lm + "model.embed_tokens.weight", lm + "embed_tokens.weight", None)]:
+        assert model.checkpoint_name_to_param(name) == (param, shard) and param in params
+    assert model.checkpoint_name_to_param("language_model.lm_head.weight") is None  # tied
