@@ -326,6 +326,10 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+    # A chunk never ends inside an image's placeholder tokens: it stops before the image, which the next step takes
+    # whole. Set for models whose image tokens attend to each other both ways (Gemma 3), which need every token of
+    # an image in the step that computes any of them.
+    disable_chunked_mm_input: bool = False
     # Schedule and launch step N+1 before step N's tokens reach the host: the host's work hides behind the device's.
     async_scheduling: bool = False
     # Image tokens the vision encoder may produce in one step (images not in its cache yet); None:

@@ -1,14 +1,17 @@
 """Tiny random vision-language models saved as HF directories with real processors, for fast tests: LLaVA (CLIP
 vision tower, two-layer projector, tiny Llama; LlavaProcessor: CLIPImageProcessor + the byte tokenizer with an
-`<image>` token) and Qwen2.5-VL (its image processor + the byte tokenizer with Qwen's vision tokens)."""
+`<image>` token), Qwen2.5-VL (its image processor + the byte tokenizer with Qwen's vision tokens) and Gemma 3
+(SigLIP, Gemma3Processor)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                          LlavaForConditionalGeneration, LlavaProcessor, Qwen2_5_VLConfig,
-                          Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration)
+from transformers import (CLIPImageProcessor, CLIPVisionConfig, Gemma3Config, Gemma3ForConditionalGeneration,
+                          Gemma3Processor, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor,
+                          PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                          Qwen2VLForConditionalGeneration, SiglipVisionConfig)
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from remote_server import CHATML
@@ -111,4 +114,61 @@ def make_tiny_qwen2_5_vl(path: Path, seed: int = 0, qwen2: bool = False) -> Path
     tok.chat_template = CHATML
     tok.save_pretrained(path)
     tiny_qwen_image_processor().save_pretrained(path)
+    return path
+
+
+# ---- Gemma 3: SigLIP tower, avg-pool projector, Gemma 3 decoder with bidirectional attention over each image ----
+
+GEMMA3_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]  # ids VOCAB..VOCAB + 2
+GEMMA3_IMAGE_TOKEN_ID = VOCAB + 2
+GEMMA3_TOKENS_PER_IMAGE = 16  # the tower's 8x8 patches pooled 2x2
+
+
+def tiny_gemma3_config() -> Gemma3Config:
+    """Tiny Gemma 3 text (sliding window 12, shorter than an image's 16 tokens: a query at an image's start sees its
+    image's end but only 11 tokens back) and a 2-layer SigLIP over 32x32 images in 4-pixel patches."""
+    from tiny_fam2 import tiny_config
+    text = tiny_config("gemma3").to_dict()
+    text.update(vocab_size=VOCAB + len(GEMMA3_TOKENS), tie_word_embeddings=True)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=32, patch_size=4, vision_use_head=False)
+    return Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE,
+                        boi_token_index=VOCAB, eoi_token_index=VOCAB + 1, image_token_index=GEMMA3_IMAGE_TOKEN_ID,
+                        tie_word_embeddings=True)
+
+
+def tiny_gemma3_processor() -> Gemma3Processor:
+    """transformers' Gemma3Processor over its PIL image processor (no torchvision) and the byte tokenizer with
+    Gemma's image tokens, named as Gemma's tokenizer names them (boi_token, eoi_token, image_token)."""
+    base = byte_tokenizer()
+    base.add_special_tokens({"additional_special_tokens": GEMMA3_TOKENS})
+    tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, unk_token="<0>", bos_token="<1>",
+                                  eos_token="<2>", extra_special_tokens=dict(zip(("boi_token", "eoi_token",
+                                                                                  "image_token"), GEMMA3_TOKENS)))
+    assert tok.image_token_id == GEMMA3_IMAGE_TOKEN_ID
+    tok.chat_template = CHATML
+    return Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}), tokenizer=tok,
+                           image_seq_length=GEMMA3_TOKENS_PER_IMAGE)
+
+
+def make_tiny_gemma3(path: Path, seed: int = 0) -> Path:
+    """Norms in [0.5, 1.5]; q/k projections std 0.25 (peaked attention, so a wrong mask shows); the projection
+    std 0.05 (HF starts it at zero) and every embedding row random (HF zeroes the pad row, which is the byte
+    tokenizer's newline)."""
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(tiny_gemma3_config()).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "q_proj.weight" in name or "k_proj.weight" in name:
+                p.normal_(0.0, 0.25)
+            elif "mm_input_projection" in name:
+                p.normal_(0.0, 0.05)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 0.02)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    tiny_gemma3_processor().save_pretrained(path)
     return path

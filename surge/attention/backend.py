@@ -31,6 +31,10 @@ class AttentionMetadata(CommonAttentionMetadata):
     """One KV cache group's view of the step: the common layout plus its own slots and block tables."""
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, padded with the null block
+    # [num_tokens] int32, for layers with params.bidirectional_spans, only in steps that compute image tokens: a
+    # query sees keys up to max(its position, causal_end): an image token's is the last position of its image, so
+    # the image's tokens see each other both ways (Gemma 3); a text token's is 0. None: every query is causal.
+    causal_end: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -49,6 +53,9 @@ class AttentionParams:
     logit_softcap: float | None = None  # scores s -> cap * tanh(s / cap) before masking (Gemma 2)
     has_sinks: bool = False  # a learned logit per query head joins each softmax's denominator (gpt-oss)
     causal: bool = True
+    # A query inside an image's placeholder span also sees the span's later tokens (meta.causal_end): Gemma 3's
+    # bidirectional attention over each image. The scheduler then never ends a chunk inside an image.
+    bidirectional_spans: bool = False
     head_dim_v: int | None = None  # values' head size where it differs from keys' (MLA); None: head_dim
     # Multi-head latent attention (DeepSeek V2/V3): keys and values are per-head projections of a cached latent of
     # kv_lora_rank values plus a rotated key of qk_rope_head_dim values shared by every head (the last channels of
@@ -73,8 +80,10 @@ class AttentionParams:
                 raise ValueError(f"an MLA layer has one latent KV head, 0 < qk_rope_head_dim < head_dim and a "
                                  f"head_dim_v: got num_kv_heads={self.num_kv_heads}, qk_rope_head_dim="
                                  f"{self.qk_rope_head_dim}, head_dim={self.head_dim}, head_dim_v={self.head_dim_v}")
-            if self.sliding_window is not None or self.logit_softcap is not None or self.has_sinks:
-                raise ValueError("an MLA layer with a sliding window, soft-capping or sinks is not supported")
+            if (self.sliding_window is not None or self.logit_softcap is not None or self.has_sinks
+                    or self.bidirectional_spans):
+                raise ValueError("an MLA layer with a sliding window, soft-capping, sinks or bidirectional spans is "
+                                 "not supported")
         elif self.head_dim_v not in (None, self.head_dim):
             raise ValueError(f"head_dim_v={self.head_dim_v} differs from head_dim={self.head_dim}: only MLA layers "
                              "support that")
@@ -157,8 +166,9 @@ class AttentionBackend(ABC):
         cache: k_scale, v_scale are float32 scalar tensors, a stored x stands for x * scale; ignored otherwise);
         meta: the layer's group's; sinks: [Hq] float32 when params.has_sinks. Applies the prologue to q and k, writes
         k, v at meta.slot_mapping (quantized for an FP8 cache, and then every key and value attended to, this step's
-        too, is the stored one); returns [T, Hq, D]. A query at position p attends to positions <= p, and with a
-        sliding window only to positions > p - sliding_window."""
+        too, is the stored one); returns [T, Hq, D]. A query at position p attends to positions <= p (<=
+        max(p, meta.causal_end[t]) with params.bidirectional_spans), and with a sliding window only to positions
+        > p - sliding_window."""
 
 
     def forward_mla(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,

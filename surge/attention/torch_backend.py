@@ -69,8 +69,10 @@ class TorchAttentionBackend(AttentionBackend):
             v_slots.index_copy_(0, meta.slot_mapping, v.reshape(v.shape[0], -1))
             scales = None
         cache = _Cache(k_slots, v_slots, scales, q.dtype)
+        # A one-token row is causal either way: a chunk never ends inside an image, so its token ends any span.
+        causal_end = meta.causal_end if params.bidirectional_spans else None
         if params.logit_softcap is not None or params.has_sinks:
-            return _explicit(q, cache, meta, params, sinks, k_cache.shape[1])
+            return _explicit(q, cache, meta, params, sinks, k_cache.shape[1], causal_end)
 
         qsl = meta.query_start_loc
         if meta.decode_only:
@@ -81,7 +83,8 @@ class TorchAttentionBackend(AttentionBackend):
                               q.dtype)
             out[plan.token_idx] = self._decode(q, cache, meta, sliding_window, scale, k_cache.shape[1])
         block_size = k_cache.shape[1]
-        for r, rows in _fresh_runs(meta, sliding_window):  # nothing cached before: plain causal attention
+        fresh = _fresh_runs(meta, sliding_window) if causal_end is None else []
+        for r, rows in fresh:  # nothing cached before: plain causal attention
             start, end = qsl[r], qsl[r + rows]
             shape = (rows, (end - start) // rows) + q.shape[1:]
             kv_shape = shape[:2] + k.shape[1:]
@@ -91,7 +94,7 @@ class TorchAttentionBackend(AttentionBackend):
             start, end = qsl[r], qsl[r + 1]
             num_new = end - start
             seq_len = meta.seq_lens[r]
-            if num_new == 1 or (seq_len == num_new and sliding_window is None):  # done above
+            if num_new == 1 or (seq_len == num_new and sliding_window is None and causal_end is None):  # done above
                 continue
             # Keys from the first one the first query may see: a sliding window's older blocks may be gone.
             first = 0 if sliding_window is None else max(0, seq_len - num_new - sliding_window + 1)
@@ -100,7 +103,8 @@ class TorchAttentionBackend(AttentionBackend):
             keys = cache.keys(slots).view(-1, num_kv_heads, head_dim)
             values = cache.values(slots).view(-1, num_kv_heads, head_dim)
             q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
-            mask = _visible(q_pos[:, None], k_pos[None, :], sliding_window)
+            mask = _visible(q_pos[:, None], k_pos[None, :], sliding_window,
+                            None if causal_end is None else causal_end[start:end, None])
             out[start:end] = _sdpa(q[start:end].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                    mask, scale).squeeze(0)
         return out
@@ -180,7 +184,7 @@ def _write_fp8(k, v, k_slots, v_slots, slot_mapping, k_scale, v_scale, dtype):
 
 
 def _explicit(q, cache: _Cache, meta: AttentionMetadata, params: AttentionParams, sinks: torch.Tensor | None,
-              block_size: int) -> torch.Tensor:
+              block_size: int, causal_end: torch.Tensor | None = None) -> torch.Tensor:
     """Attention with the variants SDPA has no argument for, one request at a time, scores computed in float32:
     logit soft-capping (s -> cap * tanh(s / cap), before the mask) and sinks (a per-head logit in each softmax's
     denominator, weighting no value), as HF's eager attention does."""
@@ -204,7 +208,8 @@ def _explicit(q, cache: _Cache, meta: AttentionMetadata, params: AttentionParams
         if params.logit_softcap is not None:
             scores = torch.tanh(scores / params.logit_softcap) * params.logit_softcap
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        scores = scores.masked_fill(~_visible(q_pos[:, None], k_pos[None, :], window), float("-inf"))
+        q_end = None if causal_end is None else causal_end[start:end, None]
+        scores = scores.masked_fill(~_visible(q_pos[:, None], k_pos[None, :], window, q_end), float("-inf"))
         if sinks is not None:
             sink = sinks.float()[:, None, None].expand(-1, end - start, 1)
             probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
@@ -305,8 +310,11 @@ def _slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int) ->
     return tables.index_select(-1, positions // block_size) * block_size + positions % block_size
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
-    visible = k_pos <= q_pos
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None,
+             q_end: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys a query sees: up to itself, or up to q_end where that is later (the rest of its image span), and with
+    a sliding window none sliding_window or more positions before it (HF's AND(window, OR(causal, image)))."""
+    visible = k_pos <= (q_pos if q_end is None else torch.maximum(q_pos, q_end.long()))
     if sliding_window is not None:
         visible = visible & (k_pos > q_pos - sliding_window)
     return visible

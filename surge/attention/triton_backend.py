@@ -70,10 +70,13 @@ class TritonAttentionBackend(AttentionBackend):
             rotary_write_kv(prologue.positions, q, k, v, prologue.cos_cache, prologue.sin_cache, k_cache, v_cache,
                             slots, prologue.q_norm_weight, prologue.k_norm_weight, prologue.norm_eps,
                             prologue.interleaved, k_scale, v_scale)
+        # A one-token row is causal either way: a chunk never ends inside an image, so its token ends any span.
+        causal_end = meta.causal_end if params.bidirectional_spans and not meta.decode_only else None
         return self.kernel(q.device)(
             q, k_cache, v_cache, meta.block_table, meta.seq_lens_t, meta.query_start_loc_t,
             num_seqs=meta.num_reqs, decode_only=meta.decode_only, sliding_window=params.sliding_window,
-            scale=params.scale, logit_softcap=params.logit_softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+            scale=params.scale, logit_softcap=params.logit_softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+            causal_end=causal_end)
 
     def forward_mla(self, q, kv_c, k_pe, kv_cache, meta: AttentionMetadata, params: AttentionParams, kv_b_weight):
         from surge.attention.mla import mla_forward_triton
@@ -87,17 +90,18 @@ def _num_sms(device: torch.device) -> int:
 def warm_up_keys(kernel, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,
                  decode_sizes: list[int], max_num_seqs: int, kv_cache_dtype: torch.dtype | None = None) -> list:
     """The launch keys of every attention variant the runtime dispatches: per distinct layer, the few-token and the
-    general mixed launch and each decode capture size (repeats collapse in the kernel's cache); kv_cache_dtype: the
-    cache's (None: dtype)."""
+    general mixed launch (and for bidirectional spans both again with them, for steps that compute images) and each
+    decode capture size (repeats collapse in the kernel's cache); kv_cache_dtype: the cache's (None: dtype)."""
     from surge.kernels.attention import FEW_TOKENS
 
     return [kernel.dispatch(decode_only=decode, num_seqs=n, num_q_heads=p.num_heads, num_kv_heads=p.num_kv_heads,
                             head_dim=p.head_dim, block_size=block_size, dtype=dtype,
                             sliding=p.sliding_window is not None, softcap=p.logit_softcap is not None,
-                            sinks=p.has_sinks, num_tokens=t, fp8_kv=kv_cache_dtype == FP8_KV_DTYPE)
+                            sinks=p.has_sinks, num_tokens=t, fp8_kv=kv_cache_dtype == FP8_KV_DTYPE, spans=spans)
             for p in layers
-            for decode, n, t in [(False, max_num_seqs, FEW_TOKENS), (False, max_num_seqs, None)]
-            + [(True, n, None) for n in decode_sizes]]
+            for decode, n, t, spans in [(False, max_num_seqs, t, s) for t in (FEW_TOKENS, None)
+                                        for s in dict.fromkeys((False, p.bidirectional_spans))]
+            + [(True, n, None, False) for n in decode_sizes]]
 
 
 def mla_warm_up_keys(kernel, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,

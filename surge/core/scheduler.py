@@ -101,11 +101,12 @@ class Scheduler:
             else:
                 num_spec = self._num_spec_tokens(req)
                 num_new = min(req.num_tokens_with_pending - req.num_computed_tokens + num_spec, budget)
-                if req.mm_features:
+                num_new = self._whole_images(req, req.num_computed_tokens, num_new)
+                if num_new and req.mm_features:
                     num_new = self.encoder.fit(req, req.num_computed_tokens, num_new)
-                    if not num_new:  # its next image waits for a step with encoder budget left
-                        i += 1
-                        continue
+                if not num_new:  # its next image waits: for room for all of it, or for encoder budget
+                    i += 1
+                    continue
             assert num_new > 0
             lookahead = self._num_lookahead(req.num_computed_tokens + num_new, req.num_tokens_with_pending)
             # Drafts in flight may still roll the computed tokens back: sliding windows keep blocks for that.
@@ -155,6 +156,10 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             start = req.num_computed_tokens + num_hit + num_external
+            if not load_async:
+                num_new = self._whole_images(req, start, num_new)
+                if not num_new:
+                    break  # its next image waits for a step with room for all of it
             if req.mm_features and not load_async:
                 whole = not self.config.enable_chunked_prefill
                 fitted = self.encoder.fit(req, start, num_new, whole)
@@ -224,6 +229,17 @@ class Scheduler:
 
     def _running_adapters(self) -> set[int]:
         return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def _whole_images(self, req: Request, start: int, num_new: int) -> int:
+        """num_new, or under disable_chunked_mm_input fewer: the chunk [start, start + num_new) stops before an image
+        it would end inside (0 when it starts inside one: after a prefix-cache hit, the rest of that image)."""
+        if not self.config.disable_chunked_mm_input:
+            return num_new
+        end = start + num_new
+        for f in req.mm_features:
+            if f.offset < end < f.end:
+                return max(0, f.offset - start)
+        return num_new
 
     def _num_lookahead(self, end: int, num_tokens: int) -> int:
         """Slots past a step's end for the draft model's proposals: only when the step samples, within

@@ -231,7 +231,8 @@ class EngineArgs:
                                          node_rank=self.node_rank, master_addr=self.master_addr,
                                          master_port=self.master_port,
                                          enable_expert_parallel=self.enable_expert_parallel)
-        get_model_class(model_config.architecture, model_config.runner).check_parallel(model_config, parallel_config)
+        model_class = get_model_class(model_config.architecture, model_config.runner)
+        model_class.check_parallel(model_config, parallel_config)
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)
@@ -247,6 +248,9 @@ class EngineArgs:
                                              max_num_seqs=self.max_num_seqs, max_model_len=model_config.max_model_len,
                                              enable_chunked_prefill=self.enable_chunked_prefill,
                                              max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+                                             # Gemma 3: an image's tokens see each other, so one step computes them
+                                             disable_chunked_mm_input=getattr(model_class,
+                                                                              "bidirectional_image_attention", False),
                                              # on by default where the device runs apart from the host
                                              async_scheduling=device.type == "cuda" if self.async_scheduling is None
                                              else bool(self.async_scheduling)),

@@ -62,7 +62,14 @@ class InputProcessor:
                                  f"{type(image).__name__}")
         self.check_image_count(len(images))
         images = [image.convert("RGB") for image in images]
-        return model_class.process_prompt(self.hf_processor(), text, images, add_special_tokens)
+        token_ids, features = model_class.process_prompt(self.hf_processor(), text, images, add_special_tokens)
+        sc = self.config.scheduler_config
+        longest = max((f.length for f in features), default=0)
+        if sc.disable_chunked_mm_input and longest > sc.max_num_batched_tokens:
+            raise ValueError(f"an image of {longest} tokens does not fit in one step of max_num_batched_tokens="
+                             f"{sc.max_num_batched_tokens}, and this model computes each image in one step; raise "
+                             "max_num_batched_tokens")
+        return token_ids, features
 
     def check_image_count(self, count: int) -> None:
         limit = self.config.model_config.limit_mm_per_prompt.get("image", DEFAULT_IMAGES_PER_PROMPT)

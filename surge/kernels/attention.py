@@ -4,9 +4,11 @@ cache; decode-only batches may split the KV sequence across programs (flash-deco
 One program owns a tile of BLOCK_Q query tokens x all query heads of one KV head (a GQA group), so each K/V tile it
 loads serves the whole group. Loop bounds come from seq_lens and query_start_loc in device memory, and the grid from
 the token and request counts, so a launch captured in a CUDA graph stays valid for any sequence lengths.
-Compile-time variants: sliding window, logit soft-capping (Gemma 2), attention sinks (gpt-oss) and an FP8 cache
+Compile-time variants: sliding window, logit soft-capping (Gemma 2), attention sinks (gpt-oss), an FP8 cache
 (float8_e4m3fn keys and values, per-tensor scales: K/V tiles are widened to the query's dtype in registers, k_scale
-joins the softmax scale and v_scale the output, both exact rewrites of dequantizing every element).
+joins the softmax scale and v_scale the output, both exact rewrites of dequantizing every element) and bidirectional
+spans (Gemma 3's images: each query token sees keys up to max(its position, causal_end[token]), so an image's tokens
+see each other both ways; mixed launches only, and only in steps that compute image tokens).
 """
 from __future__ import annotations
 
@@ -124,14 +126,14 @@ def _tanh(x):
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-        block_table_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
+        block_table_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, causal_end_ptr,
         num_seqs, qk_scale, window, softcap,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         SLIDING: tl.constexpr, DECODE: tl.constexpr, SEARCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8_KV: tl.constexpr):
+        SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8_KV: tl.constexpr, SPANS: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -177,14 +179,21 @@ def _paged_attention_kernel(
     else:
         dim_ok = dim < HEAD_DIM
     token = (q_start + tok).to(tl.int64)
+    if SPANS:  # the last key each query sees: its own position, or its image's last token
+        q_end = tl.maximum(q_pos, tl.load(causal_end_ptr + token, mask=row_ok, other=0))
+    else:
+        q_end = q_pos
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dim[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
-    # Positions this tile can see: up to its last query (causal), from its first query's window start.
+    # Positions this tile can see: up to its last query (causal) or the furthest image end among its queries, from
+    # its first query's window start.
     if DECODE:
         kv_end = seq_len
     else:
         kv_end = context_len + tl.minimum(tile_start + BLOCK_Q, q_len)
+        if SPANS:
+            kv_end = tl.minimum(tl.maximum(kv_end, tl.max(tl.where(row_ok, q_end + 1, 0), 0)), seq_len)
     kv_begin = 0
     if SLIDING:
         kv_begin = tl.maximum(context_len + tile_start - window + 1, 0)
@@ -220,8 +229,8 @@ def _paged_attention_kernel(
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # log2 domain: qk_scale includes log2(e)
         if SOFTCAP:  # cap * tanh(s / cap) of the natural score: with s and softcap both times log2(e), the same
             s = softcap * _tanh(s / softcap)
-        visible = pos[None, :] <= q_pos[:, None]
-        if SLIDING:
+        visible = pos[None, :] <= q_end[:, None]
+        if SLIDING:  # the window is behind the query, whatever it sees ahead
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -287,6 +296,7 @@ class AttentionKey:
     softcap: bool = False  # scores soft-capped: cap * tanh(s / cap)
     sinks: bool = False  # a per-head sink logit joins the softmax denominator
     fp8_kv: bool = False  # the cache holds float8_e4m3fn with per-tensor scales (else the query's dtype)
+    spans: bool = False  # queries see up to max(position, causal_end): bidirectional image spans (mixed launches)
 
 
 class PagedAttention(CompiledKernel):
@@ -298,24 +308,29 @@ class PagedAttention(CompiledKernel):
 
     def dispatch(self, *, decode_only: bool, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype, sliding: bool, num_tokens: int | None = None,
-                 softcap: bool = False, sinks: bool = False, fp8_kv: bool = False) -> AttentionKey:
+                 softcap: bool = False, sinks: bool = False, fp8_kv: bool = False, spans: bool = False
+                 ) -> AttentionKey:
+        if spans and decode_only:
+            raise ValueError("causal_end (bidirectional spans) is for mixed launches: a decode row is causal")
         launch = launch_policy(decode_only=decode_only, num_seqs=num_seqs, num_q_heads=num_q_heads,
                                num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, num_sms=self.num_sms,
                                num_tokens=num_tokens)
         return AttentionKey(dtype, num_q_heads, num_kv_heads, head_dim, block_size, sliding, launch, softcap, sinks,
-                            fp8_kv)
+                            fp8_kv, spans)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, num_seqs: int, decode_only: bool,
                  sliding_window: int | None, scale: float, out: torch.Tensor | None = None,
                  logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 causal_end: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (same strides), in q's dtype or
         float8_e4m3fn (then k_scale, v_scale: float32 scalar tensors, a stored x stands for x * scale);
         block_table: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] (tokens in the cache after this step,
         including this step's); query_start_loc: [num_seqs + 1] int32. decode_only: every request has exactly one
         query token. logit_softcap: scores s -> cap * tanh(s / cap) before masking; sinks: [Hq] float32, a logit
-        per query head in each softmax's denominator."""
+        per query head in each softmax's denominator. causal_end: [T] int32, a query sees keys up to max(its position,
+        causal_end) (never past its sequence's end); mixed launches only."""
         num_tokens, num_q_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.dtype != torch.float32):
@@ -328,12 +343,13 @@ class PagedAttention(CompiledKernel):
         key = self.dispatch(decode_only=decode_only, num_seqs=num_seqs, num_q_heads=num_q_heads,
                             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=q.dtype,
                             sliding=sliding_window is not None, num_tokens=num_tokens,
-                            softcap=logit_softcap is not None, sinks=sinks is not None, fp8_kv=fp8_kv)
+                            softcap=logit_softcap is not None, sinks=sinks is not None, fp8_kv=fp8_kv,
+                            spans=causal_end is not None)
         self.ensure(key)
         if out is None:
             out = torch.empty_like(q)
         _launch(key, q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, num_tokens, num_seqs,
-                sliding_window or 0, scale, logit_softcap or 0.0, sinks, k_scale, v_scale)
+                sliding_window or 0, scale, logit_softcap or 0.0, sinks, k_scale, v_scale, causal_end)
         return out
 
     def compile(self, key: AttentionKey) -> object:
@@ -347,9 +363,10 @@ class PagedAttention(CompiledKernel):
         seq_lens = torch.ones(1, dtype=torch.int64, device=dev)
         query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=dev)
         sinks = torch.zeros(hq, dtype=torch.float32, device=dev) if key.sinks else None
+        causal_end = torch.zeros(1, dtype=torch.int32, device=dev) if key.spans else None
         return _launch(key, q, kv_cache[0], kv_cache[1], torch.empty(1, hq, d, dtype=key.dtype, device=dev), table,
                        seq_lens, query_start_loc, 1, 1, 1 if key.sliding else 0, d ** -0.5,
-                       50.0 if key.softcap else 0.0, sinks, kv_scale, kv_scale, warmup=True)
+                       50.0 if key.softcap else 0.0, sinks, kv_scale, kv_scale, causal_end, warmup=True)
 
 
 def launch_constexprs(key: AttentionKey) -> dict:
@@ -359,14 +376,15 @@ def launch_constexprs(key: AttentionKey) -> dict:
                 HEAD_DIM_PAD=max(16, triton.next_power_of_2(key.head_dim)), CACHE_BLOCK=key.block_size,
                 BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, NUM_SPLITS=launch.num_splits,
                 SLIDING=key.sliding, DECODE=launch.decode, SEARCH=launch.search, SOFTCAP=key.softcap,
-                HAS_SINKS=key.sinks, FP8_KV=key.fp8_kv,
+                HAS_SINKS=key.sinks, FP8_KV=key.fp8_kv, SPANS=key.spans,
                 DOT_PRECISION="ieee" if key.dtype == torch.float32 else "tf32",
                 num_warps=launch.num_warps, num_stages=launch.num_stages)
 
 
 def _launch(key: AttentionKey, q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, num_tokens: int,
             num_seqs: int, window: int, scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None,
-            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, warmup: bool = False):
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+            causal_end: torch.Tensor | None = None, warmup: bool = False):
     launch = key.launch
     head_dim_pad = max(16, triton.next_power_of_2(key.head_dim))
     assert tuple(k_cache.stride()) == tuple(v_cache.stride()), "K and V caches must share a layout"
@@ -388,9 +406,11 @@ def _launch(key: AttentionKey, q, k_cache, v_cache, out, block_table, seq_lens, 
         part_acc = part_ml = torch.empty(0, dtype=torch.float32, device=q.device)
     assert (sinks is not None) == key.sinks and (softcap > 0) == key.softcap
     assert not key.fp8_kv or (k_scale is not None and v_scale is not None)
+    assert (causal_end is not None) == key.spans
     args = (q, k_cache, v_cache, out, part_acc, part_ml, block_table, seq_lens, query_start_loc,
             sinks if key.sinks else part_ml,  # without sinks never read: any float32 pointer
             k_scale if key.fp8_kv else part_ml, v_scale if key.fp8_kv else part_ml,
+            causal_end if key.spans else query_start_loc,  # without spans never read: any int32 pointer
             num_seqs, scale * LOG2E, window, softcap * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0))

@@ -96,6 +96,18 @@ _QWEN2_5_VL_7B = dict(
                        window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
                        temporal_patch_size=2))
 
+# google/gemma-3-4b-it's config.json (the text config's other fields are Gemma3TextConfig's defaults: 8 heads, 4 KV
+# heads of 256, 5 sliding-window layers (1024) to each global one): 4.3B parameters, a 27-layer SigLIP of 0.42B over
+# 896x896 images (64x64 patches, pooled to 256 tokens per image).
+_GEMMA3_4B_MM = dict(
+    architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", boi_token_index=255999,
+    eoi_token_index=256000, eos_token_id=[1, 106], image_token_index=262144, initializer_range=0.02,
+    mm_tokens_per_image=256,
+    text_config=dict(hidden_size=2560, intermediate_size=10240, model_type="gemma3_text", num_hidden_layers=34,
+                     rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024),
+    vision_config=dict(hidden_size=1152, image_size=896, intermediate_size=4304, model_type="siglip_vision_model",
+                       num_attention_heads=16, num_hidden_layers=27, patch_size=14, vision_use_head=False))
+
 _TINY = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
     num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=4096,
@@ -121,6 +133,7 @@ PRESETS: dict[str, dict] = {
     "gpt-oss-20b": _GPT_OSS_20B,
     "deepseek-v2-lite": _DEEPSEEK_V2_LITE,
     "qwen2.5-vl-7b": _QWEN2_5_VL_7B,
+    "gemma-3-4b": _GEMMA3_4B_MM,
     "tiny-llama": _TINY,
     "tiny-qwen3-hybrid": _TINY_HYBRID,
     "tiny-qwen3-moe": _TINY_MOE,

@@ -36,6 +36,7 @@ from surge.worker.request_state import CachedRequestState, RequestStates
 from surge.worker.draft_model import DraftModel
 from surge.worker.mtp_draft import MTPDraft
 from surge.worker.encoder_cache import EncoderCache
+from surge.worker.image_spans import image_causal_end
 from surge.worker.ngram_lookup import DeviceNgram, Verdicts
 from surge.worker.pooling import finish_pooled, gather_pooled
 from surge.worker.spec_verify import VerifiedDrafts, VerifyResult, verify
@@ -171,6 +172,8 @@ class ModelRunner:
         self.graph_runner: CUDAGraphRunner | None = None
         # A backend's graph-safe paths read lengths on the device; its host-side ones (MLA for now) need exact ones.
         self.graph_safe = self.backend.supports_cuda_graphs_for(distinct_attention_params(self.model))
+        # Gemma 3: an image's tokens attend to each other both ways (steps computing images run eagerly).
+        self.bidirectional_spans = any(p.bidirectional_spans for p in distinct_attention_params(self.model))
         graphs = not config.enforce_eager and self.graph_safe
         # Under TP a capture records collectives, whose order must match on every rank: all at start-up.
         background = graphs and config.cuda_graph_capture == "background" and self.tp.world_size == 1
@@ -324,6 +327,10 @@ class ModelRunner:
         max_query_len = max(s.num_new_tokens for s in scheduled)
         meta = self.inputs.metadata(self.backend, num_tokens, num_reqs, query_start_loc, seq_lens, max_query_len,
                                     max(seq_lens))
+        if self.bidirectional_spans:
+            causal_end = image_causal_end(scheduled, states, query_start_loc, num_tokens, self.device)
+            for m in meta:
+                m.causal_end = causal_end
         # Requests with drafts sample in the verification (spec_verify.py), the others here.
         plain = [s.samples and not s.num_drafts for s in scheduled]
         sample_idx = [query_start_loc[i + 1] - 1 for i, yes in enumerate(plain) if yes]

@@ -59,9 +59,10 @@ def _batch(requests, block_size, num_q_heads, num_kv_heads, head_dim, dtype, dev
     return (q.to(device), k_new.to(device), v_new.to(device), cache.to(device), meta, full_k, full_v)
 
 
-def _dense_reference(q, full_k, full_v, requests, window, scale, softcap=None, sinks=None):
+def _dense_reference(q, full_k, full_v, requests, window, scale, softcap=None, sinks=None, causal_end=None):
     """Per request, per query: explicit softmax over visible positions, in float64; soft-capped scores
-    cap * tanh(s / cap); a sink: one more logit per head in the denominator, weighting no value."""
+    cap * tanh(s / cap); a sink: one more logit per head in the denominator, weighting no value; causal_end: per
+    token, the last position it sees when past its own (an image's end)."""
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // full_k[0].shape[1]
     t = 0
@@ -71,14 +72,15 @@ def _dense_reference(q, full_k, full_v, requests, window, scale, softcap=None, s
         for i in range(new):
             pos = ctx + i
             lo = 0 if window is None else max(0, pos - window + 1)
-            scores = torch.einsum("hd,khd->hk", q[t].double().cpu(), keys[lo:pos + 1]) * scale
+            hi = pos if causal_end is None else max(pos, int(causal_end[t]))
+            scores = torch.einsum("hd,khd->hk", q[t].double().cpu(), keys[lo:hi + 1]) * scale
             if softcap is not None:
                 scores = softcap * torch.tanh(scores / softcap)
             if sinks is not None:
                 probs = torch.cat((scores, sinks.double().cpu()[:, None]), dim=-1).softmax(-1)[:, :-1]
             else:
                 probs = scores.softmax(-1)
-            out[t] = torch.einsum("hk,khd->hd", probs, values[lo:pos + 1])
+            out[t] = torch.einsum("hk,khd->hd", probs, values[lo:hi + 1])
             t += 1
     return out
 

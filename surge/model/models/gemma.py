@@ -121,9 +121,15 @@ class GemmaForCausalLM(CausalLM):
         return GemmaAttention(tc, sliding_window, rotary, qk_norm=self.qk_norm, qkv_bias=bias, o_bias=bias,
                               scale=scale, logit_softcap=softcap)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata]) -> torch.Tensor:
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids' embeddings, scaled by sqrt(hidden_size) as the decoder takes them (a VLM merges its images'
+        rows, unscaled, into these)."""
         x = self.embed_tokens(input_ids)
-        x = x * _embed_scale(self.tc.hidden_size, x.dtype)
+        return x * _embed_scale(self.tc.hidden_size, x.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata],
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)

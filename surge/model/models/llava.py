@@ -1,5 +1,6 @@
 """LLaVA-style vision-language models (LlavaForConditionalGeneration): a vision tower (CLIP or SigLIP), a two-layer
 projector, and a decoder from this package; image embeddings replace the prompt's `<image>` placeholder tokens.
+`ImageTextModel` holds what such models share (Gemma 3's, gemma3_mm.py, too).
 
 The vision tower is transformers' own module, replicated on every rank and run eagerly (SDPA, no KV cache);
 `embed_images` runs it and the projector, and `forward` takes the merged `inputs_embeds` from the runner.
@@ -33,27 +34,10 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(CausalLM):
-    def __init__(self, config, quant_config=None) -> None:
-        from transformers import AutoConfig, AutoModel
-        super().__init__(config, quant_config)
-        hf = config.hf_config
-        text_type = self.tc.model_type
-        if text_type not in TEXT_MODELS:
-            raise refuse("text_config.model_type", text_type, ", ".join(TEXT_MODELS))
-        vision = dict(hf["vision_config"])
-        vision_config = AutoConfig.for_model(vision.pop("model_type", "clip_vision_model"), **vision)
-        self.feature_layers = hf.get("vision_feature_layer", -2)
-        self.select_strategy = hf.get("vision_feature_select_strategy") or "default"
-        if self.select_strategy not in ("default", "full"):
-            raise refuse("vision_feature_select_strategy", self.select_strategy, "'default', 'full'")
-        self.vision_tower = AutoModel.from_config(vision_config, dtype=config.dtype)
-        layers = 1 if isinstance(self.feature_layers, int) else len(self.feature_layers)
-        self.multi_modal_projector = LlavaProjector(vision_config.hidden_size * layers, self.tc.hidden_size,
-                                                    hf.get("projector_hidden_act", "gelu"),
-                                                    hf.get("multimodal_projector_bias", True))
-        self.language_model = TEXT_MODELS[text_type](config, quant_config)
-        self.tie_word_embeddings = self.language_model.tie_word_embeddings
+class ImageTextModel(CausalLM):
+    """What LLaVA-style models share (Gemma 3 too): a vision tower and projector (`_embed_pixels`, the subclass's)
+    whose rows replace each image's run of placeholder tokens in the `language_model`'s input; transformers-style
+    checkpoint names (`vision_tower`, `multi_modal_projector`, `language_model`)."""
 
     # ---- the front end's part: the HF processor's output as token ids and one feature per image ----
     @classmethod
@@ -61,9 +45,16 @@ class LlavaForConditionalGeneration(CausalLM):
         return processor.image_token
 
     @classmethod
+    def image_token_id(cls, processor) -> int:
+        """The id of the tokens an image's embeddings replace (the processor expands each placeholder to a run)."""
+        return processor.image_token_id
+
+    @classmethod
     def process_prompt(cls, processor, text: str, images: list, add_special_tokens: bool = True
                        ) -> tuple[list[int], list[MultiModalFeature]]:
-        placeholder = processor.image_token
+        """One feature per processed image (pixel_values row) and its run of image tokens, in order; a processor
+        that adds crops of an image (Gemma 3's pan-and-scan) gives each crop its own run."""
+        placeholder = cls.image_placeholder(processor)
         if text.count(placeholder) != len(images):
             raise ValueError(f"the prompt has {text.count(placeholder)} image placeholder(s) ({placeholder!r}) for "
                              f"{len(images)} image(s) in multi_modal_data; put one {placeholder!r} where each image "
@@ -72,12 +63,16 @@ class LlavaForConditionalGeneration(CausalLM):
         ids = out["input_ids"][0].tolist()
         if not images:
             return ids, []
-        positions = [i for i, t in enumerate(ids) if t == processor.image_token_id]
-        per_image = len(positions) // len(images)
+        image_token = cls.image_token_id(processor)
+        positions = [i for i, t in enumerate(ids) if t == image_token]
+        pixel_values = out["pixel_values"]
+        per_image = len(positions) // len(pixel_values)
         features = []
-        for k, pixels in enumerate(out["pixel_values"]):
+        for k, pixels in enumerate(pixel_values):
             offset = positions[k * per_image]
-            assert positions[(k + 1) * per_image - 1] == offset + per_image - 1, "an image's placeholders are a run"
+            if positions[(k + 1) * per_image - 1] != offset + per_image - 1:
+                raise ValueError(f"the prompt's image tokens ({image_token}) are not one run of {per_image} per "
+                                 "image: the token may appear in the text only where the processor puts it")
             features.append(MultiModalFeature.of(pixels.float(), offset, per_image))
         return ids, features
 
@@ -95,13 +90,8 @@ class LlavaForConditionalGeneration(CausalLM):
         return out
 
     def _embed_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[N, C, H, W] -> [N, tokens per image, hidden]: the vision tower's chosen layer(s), projected."""
-        out = self.vision_tower(pixel_values.to(self.config.dtype), output_hidden_states=True)
-        layers = [self.feature_layers] if isinstance(self.feature_layers, int) else self.feature_layers
-        hidden = [out.hidden_states[i] for i in layers]
-        if self.select_strategy == "default":  # drop the CLS token
-            hidden = [h[:, 1:] for h in hidden]
-        return self.multi_modal_projector(torch.cat(hidden, dim=-1))
+        """[N, C, H, W] -> [N, tokens per image, hidden]."""
+        raise NotImplementedError
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(input_ids)
@@ -127,3 +117,34 @@ class LlavaForConditionalGeneration(CausalLM):
         mapped = self.language_model.checkpoint_name_to_param(name)
         return None if mapped is None else ("language_model." + mapped[0], mapped[1])
 
+
+class LlavaForConditionalGeneration(ImageTextModel):
+    def __init__(self, config, quant_config=None) -> None:
+        from transformers import AutoConfig, AutoModel
+        super().__init__(config, quant_config)
+        hf = config.hf_config
+        text_type = self.tc.model_type
+        if text_type not in TEXT_MODELS:
+            raise refuse("text_config.model_type", text_type, ", ".join(TEXT_MODELS))
+        vision = dict(hf["vision_config"])
+        vision_config = AutoConfig.for_model(vision.pop("model_type", "clip_vision_model"), **vision)
+        self.feature_layers = hf.get("vision_feature_layer", -2)
+        self.select_strategy = hf.get("vision_feature_select_strategy") or "default"
+        if self.select_strategy not in ("default", "full"):
+            raise refuse("vision_feature_select_strategy", self.select_strategy, "'default', 'full'")
+        self.vision_tower = AutoModel.from_config(vision_config, dtype=config.dtype)
+        layers = 1 if isinstance(self.feature_layers, int) else len(self.feature_layers)
+        self.multi_modal_projector = LlavaProjector(vision_config.hidden_size * layers, self.tc.hidden_size,
+                                                    hf.get("projector_hidden_act", "gelu"),
+                                                    hf.get("multimodal_projector_bias", True))
+        self.language_model = TEXT_MODELS[text_type](config, quant_config)
+        self.tie_word_embeddings = self.language_model.tie_word_embeddings
+
+    def _embed_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> [N, tokens per image, hidden]: the vision tower's chosen layer(s), projected."""
+        out = self.vision_tower(pixel_values.to(self.config.dtype), output_hidden_states=True)
+        layers = [self.feature_layers] if isinstance(self.feature_layers, int) else self.feature_layers
+        hidden = [out.hidden_states[i] for i in layers]
+        if self.select_strategy == "default":  # drop the CLS token
+            hidden = [h[:, 1:] for h in hidden]
+        return self.multi_modal_projector(torch.cat(hidden, dim=-1))

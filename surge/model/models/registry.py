@@ -28,6 +28,7 @@ from surge.model.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForC
 from surge.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 from surge.model.models.deepseek_mtp import DeepseekMTP
 from surge.model.models.llava import LlavaForConditionalGeneration
+from surge.model.models.gemma3_mm import Gemma3ForConditionalGeneration
 from surge.model.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from surge.model.models.pooling import as_pooling_model
 
@@ -65,6 +66,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 # The draft of speculative_config method "deepseek_mtp": the architecture's multi-token-prediction layers.
