@@ -66,9 +66,10 @@ class FakeEncoder:
     def __init__(self) -> None:
         self.num_tokens = 0
 
-    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        self.num_tokens += pixels.numel()
-        return pixels.unsqueeze(-1)
+    def embed_images(self, features: list[MultiModalFeature], device: torch.device) -> list[torch.Tensor]:
+        rows = [f.pixel_values(device).unsqueeze(-1) for f in features]
+        self.num_tokens += sum(r.shape[0] for r in rows)
+        return rows
 
 
 class Runner:
