@@ -21,7 +21,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 from hf_parity import check_all, check_every_step
 from surge import LLM
 from surge.config import ModelConfig
-from surge.core.kv_cache.spec import SlidingTokenRowSpec, TokenRowSpec
+from surge.core.kv_cache.spec import CompressedEntrySpec, SlidingTokenRowSpec
 from surge.model.loader.base import build_model
 from surge.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 from surge.model.models.registry import MODEL_REGISTRY
@@ -59,17 +59,29 @@ def test_deepseek_v4_yarn_compress_rope_matches_hf(tmp_path, ties_to_lower_index
 
 
 def test_deepseek_v4_cache_groups(tiny):
-    """Sliding layers: the key only, blocks out of the window freed; CSA and HCA layers: a row of key, compressor
-    state and entry (and the indexer's), every block kept. One group per distinct row."""
+    """Token rows in sliding groups: a sliding layer's key only (its window, 6); a compressed layer's key and
+    compressor state (and the indexer's), kept over the longer of the attention's window and the compressor's (CSA
+    at rate 4 reads 8 back, HCA at rate 8 reads 8). Entries in a group per rate: CSA's entry and indexer key, rate 4
+    at block_size 4 one a block; HCA's, rate 8, one per two blocks (a row each). One group per distinct spec."""
     _, path, _ = tiny
     runner = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory=1 << 20,
                  max_model_len=64).engine.executor.runner
-    d, di = 32, 16
-    csa, hca = d + 4 * d + d + 5 * di, d + 2 * d + d
-    specs = [(g.spec, g.layer_ids) for g in runner.kv_cache_config.groups]
-    assert specs == [(SlidingTokenRowSpec(4, 1, d, torch.float32, sliding_window=6), (0,)),
-                     (TokenRowSpec(4, 1, csa, torch.float32), (1, 3)), (TokenRowSpec(4, 1, hca, torch.float32), (2,))]
-    assert runner.kv_caches[1].shape == (1, runner.kv_cache_config.num_blocks, 4, 1, csa)
+    d, di, f32 = 32, 16, torch.float32
+    groups = runner.kv_cache_config.groups
+    assert [(g.spec, g.layer_ids) for g in groups] == [
+        (SlidingTokenRowSpec(4, 1, d, f32, sliding_window=6), (0,)),
+        (SlidingTokenRowSpec(4, 1, d + 4 * d + 4 * di, f32, sliding_window=8), (1, 5)),
+        (CompressedEntrySpec(4, 1, d + di, f32, compress_rate=4), (2, 6)),
+        (SlidingTokenRowSpec(4, 1, d + 2 * d, f32, sliding_window=8), (3,)),
+        (CompressedEntrySpec(4, 1, d, f32, compress_rate=8), (4,))]
+    assert all(g.spec.prefix_cacheable and g.spec.transferable for g in groups)
+    n = runner.kv_cache_config.num_blocks
+    assert runner.kv_caches[1].shape == (1, n, 4, 1, d + 4 * d + 4 * di)
+    assert runner.kv_caches[2].shape == (1, n, 1, 1, d + di)
+    assert groups[2].spec.page_size_bytes == (d + di) * 4
+    assert CompressedEntrySpec(16, 1, d, f32, compress_rate=4).cache_shape(5) == (1, 5, 4, 1, d)
+    with pytest.raises(ValueError, match="block_size=16 and compress_rate=6"):
+        CompressedEntrySpec(16, 1, d, f32, compress_rate=6)
 
 
 def _model_config(path, **overrides) -> ModelConfig:

@@ -1,8 +1,10 @@
 """KV cache specs and groups: one group per attention kind, each spec declaring what consumers may do with it.
 
 Consumers select groups by declared capability (`prefix_cacheable`, `transferable`), never by class name. A spec
-owns its layer's cache layout: [planes, num_blocks, block_size, heads, head_dim], planes K and V (2) for standard
-attention, one for an MLA latent; the block is dimension 1 in every layout, which the KV connectors index.
+owns its layer's cache layout: [planes, num_blocks, rows_per_block, heads, head_dim], planes K and V (2) for
+standard attention, one for an MLA latent; the block is dimension 1 in every layout, which the KV connectors index.
+Every group's block covers block_size token positions (one block table per group, one prefix hash per block); what a
+block holds for them is the spec's: a row per token, or a compressed cache's one entry per window of tokens.
 """
 from __future__ import annotations
 
@@ -23,14 +25,19 @@ class KVCacheSpec:
         """Tensors cached per token and head: keys and values."""
         return 2
 
+    @property
+    def rows_per_block(self) -> int:
+        """Rows a block holds for its block_size token positions: one per token."""
+        return self.block_size
+
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """One layer's cache tensor: [planes, num_blocks, block_size, heads, head_dim]."""
-        return (self.num_planes, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """One layer's cache tensor: [planes, num_blocks, rows_per_block, heads, head_dim]."""
+        return (self.num_planes, num_blocks, self.rows_per_block, self.num_kv_heads, self.head_dim)
 
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one block of one layer: every plane (keys and values)."""
-        return self.num_planes * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.num_planes * self.rows_per_block * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def layout_id(self) -> str:
@@ -79,20 +86,41 @@ class SlidingWindowSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
-class TokenRowSpec(FullAttentionSpec):
-    """One plane: per token one row of head_dim values whose columns the layer lays out (DeepSeek V4's compressed
-    layers: the shared key-value, the compressor's per-token state, and the entry a window leaves in the row of its
-    last token). Full attention for the managers: every block is kept, and a row is a function of its prefix."""
+class CompressedEntrySpec(FullAttentionSpec):
+    """A compressed cache (DeepSeek V4's CSA and HCA layers): one row of head_dim values per window of compress_rate
+    tokens, the entry the window leaves once its last token is computed (and, for CSA, the indexer's key beside it).
+    A block covers block_size positions like every group's and holds the entries of the windows ending in it:
+    block_size / rate of them, or one when the rate exceeds block_size (a window spans rate / block_size blocks, and
+    only the block of its last token holds its row; the others' row stays unused). Full attention for the managers:
+    every entry is read by every later query; prefix-cacheable and transferable, as an entry is a function of the
+    tokens up to its window's end."""
+    compress_rate: int = 0
+
+    def __post_init__(self) -> None:
+        rate, bs = self.compress_rate, self.block_size
+        if rate <= 0 or (bs % rate and rate % bs):
+            raise ValueError(f"a compressed KV cache needs block_size={bs} and compress_rate={rate} to divide one "
+                             "another (windows must not straddle a block that holds several entries)")
 
     @property
     def num_planes(self) -> int:
         return 1
 
+    @property
+    def rows_per_block(self) -> int:
+        return max(1, self.block_size // self.compress_rate)
+
+    @property
+    def layout_id(self) -> str:
+        return f"{type(self).__name__}:rate{self.compress_rate}:{self.head_dim}"
+
 
 @dataclass(frozen=True)
 class SlidingTokenRowSpec(SlidingWindowSpec):
-    """TokenRowSpec's one plane with a sliding window: blocks that fell out of the window go back to the pool
-    (DeepSeek V4's sliding layers, whose key is its value)."""
+    """One plane: per token one row of head_dim values whose columns the layer lays out, blocks that fell out of the
+    window going back to the pool (DeepSeek V4's layers: the shared key-value, whose key is its value, and in
+    compressed layers the compressor's per-token state, read until the window's entry is made; the window is the
+    longer of the attention's and the compressor's)."""
 
     @property
     def num_planes(self) -> int:
