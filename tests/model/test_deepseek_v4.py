@@ -121,3 +121,26 @@ def test_deepseek_v4_checkpoint_names():
     assert to("model.layers.1.ffn.experts.5.w3.weight") == ("layers.1.ffn.experts.gate_up_proj", ("up", 5))
     assert to("layers.1.ffn.experts.5.w2.weight") == ("layers.1.ffn.experts.down_proj", ("down", 5))
     assert to("mtp.0.attn.wq_a.weight") is None
+
+
+def test_deepseek_v4_flash_preset_shapes():
+    """The benchmark preset (DeepSeek-V4-Flash-Base's shapes, 8 layers) builds on the meta device with as many
+    parameters as HF's model of that config (the reference), and fits one H200 in bfloat16 with room for the cache.
+    Its caches at block_size 16: token rows only within a window (128, or CSA's 8 / HCA's 128 state rows), and
+    compressed entries of 640 values (CSA, 4 a block) or 512 (HCA, one a block: the row of every eighth block)."""
+    from surge.model.presets import get_preset, preset_model_config
+
+    mc = preset_model_config("deepseek-v4-flash-8l", "bfloat16", torch.device("cpu"), max_model_len=4096)
+    with torch.device("meta"):
+        model = build_model(mc, torch.device("meta"))
+        hf = AutoModelForCausalLM.from_config(hf_v4.DeepseekV4Config(**get_preset("deepseek-v4-flash-8l")))
+    def count(m):  # weights, whether parameters or buffers (the hash tables, HF's correction biases)
+        return sum(t.numel() for name, t in m.state_dict().items() if not name.endswith(("k_scale", "v_scale", "inv_freq")))
+
+    assert count(model) == count(hf)
+    assert 100e9 < 2 * count(model) < 115e9
+    specs = {attn.kv_cache_spec(16, torch.bfloat16) for attn in model.attention_layers()}
+    entries = sorted((s.compress_rate, s.head_dim, s.rows_per_block) for s in specs if isinstance(s, CompressedEntrySpec))
+    assert entries == [(4, 640, 4), (128, 512, 1)]
+    windows = sorted(s.sliding_window for s in specs if isinstance(s, SlidingTokenRowSpec))
+    assert windows == [128, 128]

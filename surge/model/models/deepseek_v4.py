@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from surge import envs
 from surge.attention.backend import AttentionMetadata
 from surge.attention.deepseek_v4 import (RowLayout, WindowCompressor, close_windows, entry_slots, rows_of,
                                          select_entries, sink_attention, slots_of)
@@ -37,7 +38,7 @@ from surge.model.arch import CausalLM, WeightMapper, cfg_get, refuse, require
 from surge.model.layers.attention import Attention
 from surge.model.layers.embedding import VocabParallelEmbedding
 from surge.model.layers.linear import Linear
-from surge.model.layers.moe import FusedMoE
+from surge.model.layers.moe import FusedMoE, uniform_random_routing
 from surge.model.layers.rotary import RotaryEmbedding, rope_parameters
 
 _SCORES = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
@@ -261,9 +262,13 @@ class DeepseekV4MoE(nn.Module):
         self.experts = FusedMoE(num_experts, hidden, tc.moe_intermediate_size, activation="silu_clamped",
                                 swiglu_limit=limit)
         self.shared_experts = SharedExpert(hidden, tc.moe_intermediate_size, limit)
+        self.routing_simulation = envs.SURGE_MOE_ROUTING_SIMULATION  # benchmarks: as SparseMoeBlock
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         scores = self.score(F.linear(x, self.gate.weight))
+        if self.routing_simulation == "uniform_random":  # hash layers too: their table is random weights as well
+            weights, ids = uniform_random_routing(scores, self.top_k, x.dtype)
+            return self.experts(x, weights * self.scaling, ids) + self.shared_experts(x)
         if self.hashed:
             ids = self.gate.tid2eid[input_ids].long()
         else:
