@@ -62,10 +62,12 @@ def test_deepseek_v4_cache_groups(tiny):
     """Token rows in sliding groups: a sliding layer's key only (its window, 6); a compressed layer's key and
     compressor state (and the indexer's), kept over the longer of the attention's window and the compressor's (CSA
     at rate 4 reads 8 back, HCA at rate 8 reads 8). Entries in a group per rate: CSA's entry and indexer key, rate 4
-    at block_size 4 one a block; HCA's, rate 8, one per two blocks (a row each). One group per distinct spec."""
+    at block_size 4 one a block; HCA's, rate 8, one per two blocks (a row each). One group per distinct spec. The
+    token rows' pools stop at what the running requests can hold at once (4 of them, 64 new tokens a step); the
+    entries' take the rest of the budget."""
     _, path, _ = tiny
-    runner = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory=1 << 20,
-                 max_model_len=64).engine.executor.runner
+    runner = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_model_len=64, max_num_seqs=4,
+                 max_num_batched_tokens=64).engine.executor.runner
     d, di, f32 = 32, 16, torch.float32
     groups = runner.kv_cache_config.groups
     assert [(g.spec, g.layer_ids) for g in groups] == [
@@ -75,8 +77,15 @@ def test_deepseek_v4_cache_groups(tiny):
         (SlidingTokenRowSpec(4, 1, d + 2 * d, f32, sliding_window=8), (3,)),
         (CompressedEntrySpec(4, 1, d, f32, compress_rate=8), (4,))]
     assert all(g.spec.prefix_cacheable and g.spec.transferable for g in groups)
-    n = runner.kv_cache_config.num_blocks
-    assert runner.kv_caches[1].shape == (1, n, 4, 1, d + 4 * d + 4 * di)
+    kvc = runner.kv_cache_config
+    n, lookback = kvc.num_blocks, 4  # lookback: 2 x (0 drafts + 2)
+    rows = [4 * (-(-(w - 1 + lookback) // 4) + 2) + 64 // 4 + 1 for w in (6, 8, 8)]
+    assert [kvc.num_blocks_of(g) for g in range(5)] == [rows[0], rows[1], n, rows[2], n]
+    assert n > 2 * max(rows)
+    pool_page_bytes = [g.spec.page_size_bytes * len(g.layer_ids) for g in groups]
+    assert kvc.total_bytes == sum(b * kvc.num_blocks_of(g) for g, b in enumerate(pool_page_bytes))
+    assert kvc.total_bytes <= (1 << 22) + kvc.bytes_per_block
+    assert runner.kv_caches[1].shape == (1, rows[1], 4, 1, d + 4 * d + 4 * di)
     assert runner.kv_caches[2].shape == (1, n, 1, 1, d + di)
     assert groups[2].spec.page_size_bytes == (d + di) * 4
     assert CompressedEntrySpec(16, 1, d, f32, compress_rate=4).cache_shape(5) == (1, 5, 4, 1, d)

@@ -84,6 +84,14 @@ class SlidingWindowSpec(KVCacheSpec):
     def transferable(self) -> bool:
         return True
 
+    def max_live_blocks(self, max_num_seqs: int, max_num_batched_tokens: int, lookback: int) -> int:
+        """Blocks the running requests can hold at once, the null block included: each keeps the blocks of its
+        window (and of the lookback tokens a step may start earlier: drafts in flight) plus the one it writes, and
+        a step's new tokens fill at most max_num_batched_tokens more positions (one straddled block a request).
+        Beyond that a pool only keeps evictable prefix-cache blocks, so the group's pool stops there."""
+        per_request = -(-(self.sliding_window - 1 + lookback) // self.block_size) + 2
+        return max_num_seqs * per_request + -(-max_num_batched_tokens // self.block_size) + 1
+
 
 @dataclass(frozen=True)
 class CompressedEntrySpec(FullAttentionSpec):
@@ -172,7 +180,13 @@ class KVCacheGroup:
 @dataclass(frozen=True)
 class KVCacheConfig:
     groups: tuple[KVCacheGroup, ...]
-    num_blocks: int  # per group, the null block (id 0) included
+    num_blocks: int  # per group, the null block (id 0) included; a sliding group's capped by its live blocks
+    live_block_caps: tuple[int | None, ...] = ()  # per group: its max_live_blocks, None (or empty) uncapped
+
+    def num_blocks_of(self, group_id: int) -> int:
+        """The group's pool: num_blocks, or fewer for a sliding group that can never hold more at once."""
+        cap = self.live_block_caps[group_id] if self.live_block_caps else None
+        return self.num_blocks if cap is None else min(self.num_blocks, cap)
 
     @property
     def prefix_cacheable_group_ids(self) -> tuple[int, ...]:
@@ -184,14 +198,43 @@ class KVCacheConfig:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block id costs across every group and layer."""
+        """Bytes one block id costs across every group and layer (caps aside)."""
         return sum(g.spec.page_size_bytes * len(g.layer_ids) for g in self.groups)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every group's pool."""
+        return sum(g.spec.page_size_bytes * len(g.layer_ids) * self.num_blocks_of(g.group_id) for g in self.groups)
 
     def group_of_layer(self, layer_id: int) -> KVCacheGroup:
         for g in self.groups:
             if layer_id in g.layer_ids:
                 return g
         raise KeyError(layer_id)
+
+
+def live_block_caps(groups: tuple[KVCacheGroup, ...], max_num_seqs: int, max_num_batched_tokens: int,
+                    lookback: int) -> tuple[int | None, ...]:
+    """Per group, the most blocks it can hold at once (sliding windows), or None (every block is kept)."""
+    return tuple(g.spec.max_live_blocks(max_num_seqs, max_num_batched_tokens, lookback)
+                 if isinstance(g.spec, SlidingWindowSpec) else None for g in groups)
+
+
+def num_blocks_for_budget(groups: tuple[KVCacheGroup, ...], caps: tuple[int | None, ...], budget: int,
+                          extra_bytes_per_block: int = 0) -> int:
+    """The largest num_blocks (null block included) whose pools fit budget bytes: the capped groups' pools cost a
+    fixed amount, the others (and extra_bytes_per_block: a draft model's layers) one page a layer per block. A cap
+    above the answer does not bind, so its group joins the per-block cost and the answer is computed again."""
+    page = {g.group_id: g.spec.page_size_bytes * len(g.layer_ids) for g in groups}
+    capped = {g for g, cap in enumerate(caps) if cap is not None}
+    while True:
+        fixed = sum(page[g] * caps[g] for g in capped)
+        per_block = sum(page[g] for g in page if g not in capped) + extra_bytes_per_block
+        num_blocks = max(caps[g] for g in capped) if per_block == 0 else (budget - fixed) // per_block + 1
+        binding = {g for g in capped if caps[g] < num_blocks}
+        if binding == capped:
+            return num_blocks
+        capped = binding
 
 
 def build_kv_cache_groups(layer_specs: list[KVCacheSpec] | tuple[KVCacheSpec, ...]) -> tuple[KVCacheGroup, ...]:
