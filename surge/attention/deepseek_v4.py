@@ -1,17 +1,18 @@
-"""DeepSeek V4's attention in plain torch over a per-token row cache: every device's path until the V4 kernels
-(surge/kernels: compressor, indexer_score, indexer_topk) are wired in.
+"""DeepSeek V4's attention in plain torch over its caches: every device's path until the V4 kernels (surge/kernels:
+compressor, indexer_score, indexer_topk) are wired in.
 
-The cache (the simplest exact design; the per-rate caches of issue 29's point 1 are the follow-up): a layer caches
-one row per token position (TokenRowSpec, or SlidingTokenRowSpec for a sliding layer, whose row is its key only):
-- `kv`: the token's shared key-value (normed, rotated), read by the sliding window;
-- `state_kv`, `state_gate`: the compressor's projections of the token (2 x head_dim wide with CSA's overlapping
-  windows), the inputs of the entry its window will make;
-- `entry`: in the row of a window's last token, the compressed entry the window leaves (written the step that token
-  is computed, when every token of the window, and of the window before it, has its state rows);
-- `index_kv`, `index_gate`, `index_entry`: the same for the lightning indexer's own compressor (CSA).
-A row is a function of the tokens up to its position, so prefix-cache hits, chunked prefill and preemption's
-recomputation are exact by construction; the partial window is just state rows whose entry is not made yet. The
-cost is memory: every row keeps its compressor state although only the last two windows' are read again.
+Two caches per compressed layer, one for a sliding layer:
+- token rows (SlidingTokenRowSpec), one per token position, kept while a later token reads them: `kv`, the token's
+  shared key-value (normed, rotated), read by the sliding window; in compressed layers `state_kv`, `state_gate`, the
+  compressor's projections of the token (2 x head_dim wide with CSA's overlapping windows), the inputs of the entry
+  its window will make, and `index_kv`, `index_gate` for the lightning indexer's own compressor (CSA). The group's
+  window is the longer of the attention's and the compressor's (rate tokens, 2 x rate with CSA's overlap), so the
+  partial window not yet compressed lives in the token rows of the last window only;
+- entry rows (CompressedEntrySpec), one per window of rate tokens: `entry`, the compressed entry the window leaves
+  (written the step its last token is computed, when every token of the window, and of the window before it, has
+  its state rows), and `index_entry`, the indexer's key (CSA). Every entry is kept.
+Each row is a function of the tokens up to its position (or its window's end), so prefix-cache hits, chunked prefill
+and preemption's recomputation are exact by construction.
 
 A query at position t attends to the keys at (t - sliding_window, t], to the compressed entries of the windows
 complete at t (w < (t + 1) // rate): all of them (HCA), or the index_topk the indexer scores highest among them
@@ -29,33 +30,47 @@ from surge.kernels.deepseek_v4_reference import compress_windows, indexer_scores
 
 @dataclass(frozen=True)
 class RowLayout:
-    """Columns of one layer's cache row. rate 0: a sliding layer (the key only); index_head_dim 0: no indexer."""
+    """Columns of one layer's token rows and entry rows. rate 0: a sliding layer (the key only, no entries);
+    index_head_dim 0: no indexer."""
     head_dim: int
     rate: int = 0
     overlap: bool = False  # CSA's two series per token: windows of 2 x rate slots
     index_head_dim: int = 0
 
-    def _spans(self) -> dict[str, int]:
+    def _token_spans(self) -> dict[str, int]:
         d, di = self.head_dim, self.index_head_dim
         spans = {"kv": d}
         if self.rate:
             state = 2 * d if self.overlap else d
-            spans.update(state_kv=state, state_gate=state, entry=d)
+            spans.update(state_kv=state, state_gate=state)
         if di:
-            spans.update(index_kv=2 * di, index_gate=2 * di, index_entry=di)
+            spans.update(index_kv=2 * di, index_gate=2 * di)
         return spans
 
+    def _entry_spans(self) -> dict[str, int]:
+        return {"entry": self.head_dim, **({"index_entry": self.index_head_dim} if self.index_head_dim else {})}
+
     def column(self, name: str) -> slice:
-        start = 0
-        for key, width in self._spans().items():
-            if key == name:
-                return slice(start, start + width)
-            start += width
+        """A token row's column, or an entry row's."""
+        for spans in (self._token_spans(), self._entry_spans()):
+            start = 0
+            for key, width in spans.items():
+                if key == name:
+                    return slice(start, start + width)
+                start += width
         raise KeyError(name)
 
     @property
     def width(self) -> int:
-        return sum(self._spans().values())
+        return sum(self._token_spans().values())
+
+    @property
+    def entry_width(self) -> int:
+        return sum(self._entry_spans().values()) if self.rate else 0
+
+    def state_window(self) -> int:
+        """Token rows the compressor reads back from a window's last token: its window, and CSA's one before."""
+        return self.rate * (2 if self.overlap else 1)
 
 
 @dataclass
@@ -66,25 +81,32 @@ class WindowCompressor:
     eps: float
     cos_cache: torch.Tensor  # the compress rope's tables [max_position, rope_dim / 2]
     sin_cache: torch.Tensor
-    state_kv: slice
+    state_kv: slice  # token rows' columns
     state_gate: slice
-    entry: slice
+    entry: slice  # the entry rows' column
 
 
-def rows_of(cache: torch.Tensor, layout: RowLayout) -> torch.Tensor:
-    """The layer's cache [1, blocks, block_size, 1, width] as one row per slot."""
-    return cache.view(-1, layout.width)
+def rows_of(cache: torch.Tensor) -> torch.Tensor:
+    """A cache [1, blocks, rows_per_block, 1, width] as one row per slot."""
+    return cache.view(-1, cache.shape[-1])
 
 
 def slots_of(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of one request's positions through its block table."""
+    """Token-row slots of one request's positions through its block table."""
     return table.long()[positions // block_size] * block_size + positions % block_size
 
 
-def close_windows(rows: torch.Tensor, meta: AttentionMetadata, block_size: int, rate: int, overlap: bool,
-                  comp: WindowCompressor) -> None:
-    """Make the entries of the windows whose last token this step computes, from the state rows (this step's
-    already written), into the entry column of that token's row."""
+def entry_slots(table: torch.Tensor, windows: torch.Tensor, rate: int, block_size: int) -> torch.Tensor:
+    """Entry-row slots of one request's windows through its entry group's block table: the row w % rows_per_block
+    of the block holding the window's last token (CompressedEntrySpec's layout)."""
+    rows_per_block = max(1, block_size // rate)
+    return table.long()[(windows * rate + rate - 1) // block_size] * rows_per_block + windows % rows_per_block
+
+
+def close_windows(rows: torch.Tensor, entries: torch.Tensor, meta: AttentionMetadata, entry_meta: AttentionMetadata,
+                  block_size: int, rate: int, overlap: bool, comp: WindowCompressor) -> None:
+    """Make the entries of the windows whose last token this step computes, from the token rows' state (this
+    step's already written), into the entry rows."""
     qsl = meta.query_start_loc
     for r in range(meta.num_reqs):
         seq_len, n = meta.seq_lens[r], qsl[r + 1] - qsl[r]
@@ -97,16 +119,11 @@ def close_windows(rows: torch.Tensor, meta: AttentionMetadata, block_size: int, 
         state = slots_of(table, torch.arange(start * rate, last * rate, device=device), block_size)
         windows = torch.arange(start, last, device=device) * rate
         dtype = rows.dtype
-        entries = compress_windows(rows[state, comp.state_kv], rows[state, comp.state_gate], comp.position_bias,
-                                   comp.norm_weight, comp.eps, comp.cos_cache[windows].to(dtype),
-                                   comp.sin_cache[windows].to(dtype), rate, overlap)[first - start:]
-        ends = slots_of(table, torch.arange(first, last, device=device) * rate + rate - 1, block_size)
-        rows[ends, comp.entry] = entries
-
-
-def entry_rows(rows: torch.Tensor, table: torch.Tensor, count: int, rate: int, block_size: int) -> torch.Tensor:
-    """Slots of a request's first `count` compressed entries (in the rows of their windows' last tokens)."""
-    return slots_of(table, torch.arange(count, device=table.device) * rate + rate - 1, block_size)
+        made = compress_windows(rows[state, comp.state_kv], rows[state, comp.state_gate], comp.position_bias,
+                                comp.norm_weight, comp.eps, comp.cos_cache[windows].to(dtype),
+                                comp.sin_cache[windows].to(dtype), rate, overlap)[first - start:]
+        closing = torch.arange(first, last, device=device)
+        entries[entry_slots(entry_meta.block_table[r], closing, rate, block_size), comp.entry] = made
 
 
 def sink_attention(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,

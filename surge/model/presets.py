@@ -108,6 +108,28 @@ _GEMMA3_4B_MM = dict(
     vision_config=dict(hidden_size=1152, image_size=896, intermediate_size=4304, model_type="siglip_vision_model",
                        num_attention_heads=16, num_hidden_layers=27, patch_size=14, vision_use_head=False))
 
+# deepseek-ai/DeepSeek-V4-Flash-Base's shapes (transformers' DeepseekV4Config defaults, which name that checkpoint) cut
+# to its first 8 of 43 layers, as many as fit one H200 in bfloat16 (each layer's 256 experts of 2048 are 6.4B
+# parameters, 13 GB; 8 layers and the embeddings ~108 GB): HCA x3 then CSA/HCA alternating (transformers' default
+# schedule), 3 hash-routed MoE layers then sqrtsoftplus-routed ones, 4 hyper-connection streams, MTP left out.
+_DEEPSEEK_V4_FLASH_8L = dict(
+    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=129280, hidden_size=4096,
+    moe_intermediate_size=2048, num_hidden_layers=8, num_attention_heads=64, num_key_value_heads=1, head_dim=512,
+    q_lora_rank=1024, num_experts_per_tok=6, n_routed_experts=256, n_shared_experts=1, scoring_func="sqrtsoftplus",
+    norm_topk_prob=True, routed_scaling_factor=1.5, max_position_embeddings=1048576, rope_theta=10000.0,
+    compress_rope_theta=160000.0, partial_rotary_factor=0.125,
+    rope_parameters={"main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.125},
+                     "compress": {"rope_type": "default", "rope_theta": 160000.0, "partial_rotary_factor": 0.125}},
+    layer_types=["heavily_compressed_attention"] * 3 + ["compressed_sparse_attention",
+                                                        "heavily_compressed_attention"] * 2 + [
+        "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 5,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}, hc_mult=4,
+    hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, o_groups=8, o_lora_rank=1024,
+    index_n_heads=64, index_head_dim=128, index_topk=512, num_nextn_predict_layers=0, hidden_act="silu",
+    rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, attention_bias=False,
+    mlp_bias=False)
+
 _TINY = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
     num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=4096,
@@ -134,6 +156,7 @@ PRESETS: dict[str, dict] = {
     "deepseek-v2-lite": _DEEPSEEK_V2_LITE,
     "qwen2.5-vl-7b": _QWEN2_5_VL_7B,
     "gemma-3-4b": _GEMMA3_4B_MM,
+    "deepseek-v4-flash-8l": _DEEPSEEK_V4_FLASH_8L,
     "tiny-llama": _TINY,
     "tiny-qwen3-hybrid": _TINY_HYBRID,
     "tiny-qwen3-moe": _TINY_MOE,

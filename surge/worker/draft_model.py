@@ -97,7 +97,8 @@ class DraftModel:
                                  "target's block tables)")
             group = target.groups[windows[window]]
             dtype = cc.cache_dtype(mc.dtype)
-            shape = backend.kv_cache_shape(target.num_blocks, attn.kv_cache_spec(group.spec.block_size, dtype))
+            shape = backend.kv_cache_shape(target.num_blocks_of(group.group_id),
+                                           attn.kv_cache_spec(group.spec.block_size, dtype))
             cache = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.kv_cache, attn.group_id, attn.backend = cache, group.group_id, backend
             self.kv_caches.append(cache)

@@ -36,7 +36,7 @@ from surge.core.scheduler_output import SchedulerOutput
 from surge.distributed.ranks import global_rank
 from surge.distributed.shm_broadcast import ShmRing
 from surge.logger import init_logger
-from surge.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_groups
+from surge.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_groups, kv_live_block_caps
 from surge.worker.worker import PEER_LOST_EXIT, WorkerArgs, WorkerReady
 
 logger = init_logger(__name__)
@@ -276,7 +276,8 @@ class MultiprocExecutor:
             config = dataclasses.replace(config, parallel_config=dataclasses.replace(pc, master_port=_free_port()))
         self.config = config
         self.launcher = NodeLauncher(config)
-        self.kv_cache_config = KVCacheConfig(kv_cache_groups(config), self.launcher.num_blocks)
+        groups = kv_cache_groups(config)
+        self.kv_cache_config = KVCacheConfig(groups, self.launcher.num_blocks, kv_live_block_caps(config, groups))
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
         # Steps sent whose results were not read yet, oldest first (an abandoned handle's result is still read,

@@ -19,7 +19,8 @@ import torch
 
 from surge.attention.backend import AttentionMetadata, default_backend_name, get_backend
 from surge.config import EngineConfig
-from surge.core.kv_cache.spec import KVCacheConfig, KVCacheGroup, build_kv_cache_groups
+from surge.core.kv_cache.spec import (KVCacheConfig, KVCacheGroup, build_kv_cache_groups, live_block_caps,
+                                      num_blocks_for_budget)
 from surge.core.kv_connector import KVConnectorOutput
 from surge.core.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from surge.distributed.parallel_state import get_tp_group, layout_of_rank
@@ -85,6 +86,15 @@ def kv_cache_groups(config: EngineConfig, rank: int = 0, model: torch.nn.Module 
         with layout_of_rank(config.parallel_config, rank):
             model = build_model(config.model_config, torch.device("meta"))
     return build_kv_cache_groups(layer_kv_specs(model, config))
+
+
+def kv_live_block_caps(config: EngineConfig, groups: tuple[KVCacheGroup, ...]) -> tuple[int | None, ...]:
+    """Per group, the pool cap of a sliding window (KVCacheConfig.live_block_caps) under this engine's limits: the
+    same on every rank and in the engine, which sizes its managers from it."""
+    sc, spec = config.scheduler_config, config.speculative_config
+    k = spec.num_speculative_tokens if spec is not None else 0
+    # Drafts in flight (k, and the pending token) may move a step's start back; lookahead slots forward.
+    return live_block_caps(groups, sc.max_num_seqs, sc.max_num_batched_tokens, 2 * (k + 2))
 
 
 def layer_kv_specs(model: torch.nn.Module, config: EngineConfig) -> list:
@@ -227,8 +237,8 @@ class ModelRunner:
                              f"(float8 conversions); {torch.cuda.get_device_name(self.device)} has "
                              f"{torch.cuda.get_device_capability(self.device)}")
         groups = kv_cache_groups(self.config, self.tp.rank, self.model)
-        probe = KVCacheConfig(groups, num_blocks=2)
-        bytes_per_block = probe.bytes_per_block + (self.draft.bytes_per_block(cc.block_size) if self.draft else 0)
+        caps = kv_live_block_caps(self.config, groups)
+        draft_bytes = self.draft.bytes_per_block(cc.block_size) if self.draft else 0
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         else:
@@ -238,18 +248,21 @@ class ModelRunner:
                 budget = int(available_memory(self.device) * cc.memory_fraction)
                 if self.device.type == "cpu":  # the node's ranks share its RAM
                     budget = min(budget, _CPU_DEFAULT_KV_BYTES) // self.config.parallel_config.local_world_size
-            num_blocks = budget // bytes_per_block + 1  # + the null block
+            num_blocks = num_blocks_for_budget(groups, caps, budget, draft_bytes)
             num_blocks = self.tp.min_int(num_blocks)  # free memory differs a little from rank to rank
+        kvc = KVCacheConfig(groups, num_blocks, caps)
+        total = kvc.total_bytes + num_blocks * draft_bytes
         capacity = (num_blocks - 1) * cc.block_size
         if capacity < mc.max_model_len:
             raise ValueError(
                 f"the KV cache budget holds {capacity} tokens ({num_blocks - 1} blocks of {cc.block_size}, "
-                f"{bytes_per_block} bytes each), fewer than max_model_len={mc.max_model_len}; "
+                f"{kvc.bytes_per_block + draft_bytes} bytes each), fewer than max_model_len={mc.max_model_len}; "
                 "raise kv_cache_memory / memory_fraction or lower max_model_len")
-        logger.info("KV cache: %s, %d tokens (%d blocks x %d) per group, %d group(s), %.1f MiB",
-                    str(cc.cache_dtype(mc.dtype)).removeprefix("torch."), capacity, num_blocks - 1, cc.block_size,
-                    len(groups), num_blocks * bytes_per_block / 2**20)
-        return KVCacheConfig(groups, num_blocks)
+        logger.info("KV cache: %s, %d tokens (%d blocks x %d) per group, %d group(s) (sliding windows' pools: %s "
+                    "blocks), %.1f MiB", str(cc.cache_dtype(mc.dtype)).removeprefix("torch."), capacity,
+                    num_blocks - 1, cc.block_size, len(groups),
+                    [kvc.num_blocks_of(g.group_id) for g in groups if caps[g.group_id] is not None], total / 2**20)
+        return kvc
 
     def _allocate_kv_cache(self) -> None:
         """One tensor per layer, in the layout its backend asks for."""
@@ -258,7 +271,7 @@ class ModelRunner:
         for layer_id, attn in enumerate(self.model.attention_layers()):
             group = kvc.group_of_layer(layer_id)
             spec = group.spec
-            shape = self.backend.kv_cache_shape(kvc.num_blocks, spec)
+            shape = self.backend.kv_cache_shape(kvc.num_blocks_of(group.group_id), spec)
             # Not zeroed: no backend reads a slot no request wrote (both are tested with NaN there), and a fill would
             # touch every page of the budget before the first request (seconds for a few GiB on some CPU hosts).
             cache = torch.empty(shape, dtype=spec.dtype, device=self.device)

@@ -17,7 +17,8 @@ from surge.core.kv_cache.block_pool import BlockPool
 from surge.core.kv_cache.hashing import hash_block_tokens
 from surge.core.kv_cache.manager import KVCacheManager
 from surge.core.kv_cache.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheSpec, MLAAttentionSpec,
-                                      SlidingWindowSpec, build_kv_cache_groups)
+                                      SlidingWindowSpec, build_kv_cache_groups, live_block_caps,
+                                      num_blocks_for_budget)
 from surge.core.request import Request
 from surge.sampling_params import SamplingParams
 
@@ -422,3 +423,50 @@ def test_mla_spec_one_latent_plane_per_token() -> None:
     assert FullAttentionSpec(4, 2, 8, torch.float32).layout_id == "FullAttentionSpec:2x8:w0"  # unchanged keys
     with pytest.raises(ValueError, match="kv_lora_rank=0"):
         MLAAttentionSpec(16, 1, 576, torch.bfloat16)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sliding_pool_capped_at_its_live_blocks_never_runs_out(seed: int) -> None:
+    """A sliding group's pool of max_live_blocks (not num_blocks) holds every block the running requests can hold
+    at once: random requests, each step at most max_num_seqs of them and max_num_batched_tokens new tokens (chunked
+    prefill, decode), never fail to allocate while the full group has room, and the cap binds (a smaller pool)."""
+    import random
+
+    rng = random.Random(seed)
+    max_seqs, max_tokens = 3, 10
+    groups = hybrid_groups()
+    caps = live_block_caps(groups, max_seqs, max_tokens, lookback=0)
+    config = KVCacheConfig(groups, num_blocks=400, live_block_caps=caps)
+    assert config.num_blocks_of(SLIDING) == caps[SLIDING] == max_seqs * (cdiv(WINDOW - 1, BS) + 2) + 3 + 1 < 400
+    assert config.num_blocks_of(FULL) == 400
+    kv = KVCacheManager(config, enable_caching=True)
+    running = [make_request(f"r{i}", [rng.randrange(50) for _ in range(rng.randrange(1, 40))]) for i in range(max_seqs)]
+    for step in range(200):
+        budget = max_tokens
+        for req in running:
+            num_new = min(req.num_tokens - req.num_computed_tokens, rng.randrange(1, budget + 1)) if budget else 0
+            if num_new <= 0:
+                continue
+            assert kv.allocate_slots(req, num_new), (step, req.request_id)
+            budget -= num_new
+            req.num_computed_tokens += num_new
+            if req.num_computed_tokens == req.num_tokens:
+                req.append_token(rng.randrange(50))
+        for i, req in enumerate(running):
+            if req.num_tokens > rng.randrange(40, 90):
+                kv.free(req)
+                running[i] = make_request(f"r{step}.{i}", [rng.randrange(50) for _ in range(rng.randrange(1, 40))])
+
+
+def test_num_blocks_for_budget_pays_capped_pools_once() -> None:
+    """The sliding group's capped pool is a fixed cost; the rest of the budget buys blocks of the full group. A cap
+    above what the budget buys does not bind: that group is then paid per block like the full one. (As before
+    caps, the full groups' null block comes on top of the budget.)"""
+    groups = hybrid_groups()
+    page = groups[0].spec.page_size_bytes  # both groups: 2 planes x 4 slots x 2 heads x 8 values x 4 bytes
+    caps = (11, None)
+    n = num_blocks_for_budget(groups, caps, budget=100 * page)
+    assert n == 100 - 11 + 1
+    assert KVCacheConfig(groups, n, caps).total_bytes == 100 * page + page  # the full group's null block on top
+    assert num_blocks_for_budget(groups, (60, None), budget=100 * page) == 50 + 1  # 60 > 51: not binding
+    assert num_blocks_for_budget(groups, caps, budget=100 * page, extra_bytes_per_block=page) == (100 - 11) // 2 + 1

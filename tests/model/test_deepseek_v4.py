@@ -21,7 +21,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 from hf_parity import check_all, check_every_step
 from surge import LLM
 from surge.config import ModelConfig
-from surge.core.kv_cache.spec import SlidingTokenRowSpec, TokenRowSpec
+from surge.core.kv_cache.spec import CompressedEntrySpec, SlidingTokenRowSpec
 from surge.model.loader.base import build_model
 from surge.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 from surge.model.models.registry import MODEL_REGISTRY
@@ -59,17 +59,38 @@ def test_deepseek_v4_yarn_compress_rope_matches_hf(tmp_path, ties_to_lower_index
 
 
 def test_deepseek_v4_cache_groups(tiny):
-    """Sliding layers: the key only, blocks out of the window freed; CSA and HCA layers: a row of key, compressor
-    state and entry (and the indexer's), every block kept. One group per distinct row."""
+    """Token rows in sliding groups: a sliding layer's key only (its window, 6); a compressed layer's key and
+    compressor state (and the indexer's), kept over the longer of the attention's window and the compressor's (CSA
+    at rate 4 reads 8 back, HCA at rate 8 reads 8). Entries in a group per rate: CSA's entry and indexer key, rate 4
+    at block_size 4 one a block; HCA's, rate 8, one per two blocks (a row each). One group per distinct spec. The
+    token rows' pools stop at what the running requests can hold at once (4 of them, 64 new tokens a step); the
+    entries' take the rest of the budget."""
     _, path, _ = tiny
-    runner = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory=1 << 20,
-                 max_model_len=64).engine.executor.runner
-    d, di = 32, 16
-    csa, hca = d + 4 * d + d + 5 * di, d + 2 * d + d
-    specs = [(g.spec, g.layer_ids) for g in runner.kv_cache_config.groups]
-    assert specs == [(SlidingTokenRowSpec(4, 1, d, torch.float32, sliding_window=6), (0,)),
-                     (TokenRowSpec(4, 1, csa, torch.float32), (1, 3)), (TokenRowSpec(4, 1, hca, torch.float32), (2,))]
-    assert runner.kv_caches[1].shape == (1, runner.kv_cache_config.num_blocks, 4, 1, csa)
+    runner = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_model_len=64, max_num_seqs=4,
+                 max_num_batched_tokens=64).engine.executor.runner
+    d, di, f32 = 32, 16, torch.float32
+    groups = runner.kv_cache_config.groups
+    assert [(g.spec, g.layer_ids) for g in groups] == [
+        (SlidingTokenRowSpec(4, 1, d, f32, sliding_window=6), (0,)),
+        (SlidingTokenRowSpec(4, 1, d + 4 * d + 4 * di, f32, sliding_window=8), (1, 5)),
+        (CompressedEntrySpec(4, 1, d + di, f32, compress_rate=4), (2, 6)),
+        (SlidingTokenRowSpec(4, 1, d + 2 * d, f32, sliding_window=8), (3,)),
+        (CompressedEntrySpec(4, 1, d, f32, compress_rate=8), (4,))]
+    assert all(g.spec.prefix_cacheable and g.spec.transferable for g in groups)
+    kvc = runner.kv_cache_config
+    n, lookback = kvc.num_blocks, 4  # lookback: 2 x (0 drafts + 2)
+    rows = [4 * (-(-(w - 1 + lookback) // 4) + 2) + 64 // 4 + 1 for w in (6, 8, 8)]
+    assert [kvc.num_blocks_of(g) for g in range(5)] == [rows[0], rows[1], n, rows[2], n]
+    assert n > 2 * max(rows)
+    pool_page_bytes = [g.spec.page_size_bytes * len(g.layer_ids) for g in groups]
+    assert kvc.total_bytes == sum(b * kvc.num_blocks_of(g) for g, b in enumerate(pool_page_bytes))
+    assert kvc.total_bytes <= (1 << 22) + kvc.bytes_per_block
+    assert runner.kv_caches[1].shape == (1, rows[1], 4, 1, d + 4 * d + 4 * di)
+    assert runner.kv_caches[2].shape == (1, n, 1, 1, d + di)
+    assert groups[2].spec.page_size_bytes == (d + di) * 4
+    assert CompressedEntrySpec(16, 1, d, f32, compress_rate=4).cache_shape(5) == (1, 5, 4, 1, d)
+    with pytest.raises(ValueError, match="block_size=16 and compress_rate=6"):
+        CompressedEntrySpec(16, 1, d, f32, compress_rate=6)
 
 
 def _model_config(path, **overrides) -> ModelConfig:
@@ -109,3 +130,26 @@ def test_deepseek_v4_checkpoint_names():
     assert to("model.layers.1.ffn.experts.5.w3.weight") == ("layers.1.ffn.experts.gate_up_proj", ("up", 5))
     assert to("layers.1.ffn.experts.5.w2.weight") == ("layers.1.ffn.experts.down_proj", ("down", 5))
     assert to("mtp.0.attn.wq_a.weight") is None
+
+
+def test_deepseek_v4_flash_preset_shapes():
+    """The benchmark preset (DeepSeek-V4-Flash-Base's shapes, 8 layers) builds on the meta device with as many
+    parameters as HF's model of that config (the reference), and fits one H200 in bfloat16 with room for the cache.
+    Its caches at block_size 16: token rows only within a window (128, or CSA's 8 / HCA's 128 state rows), and
+    compressed entries of 640 values (CSA, 4 a block) or 512 (HCA, one a block: the row of every eighth block)."""
+    from surge.model.presets import get_preset, preset_model_config
+
+    mc = preset_model_config("deepseek-v4-flash-8l", "bfloat16", torch.device("cpu"), max_model_len=4096)
+    with torch.device("meta"):
+        model = build_model(mc, torch.device("meta"))
+        hf = AutoModelForCausalLM.from_config(hf_v4.DeepseekV4Config(**get_preset("deepseek-v4-flash-8l")))
+    def count(m):  # weights, whether parameters or buffers (the hash tables, HF's correction biases)
+        return sum(t.numel() for name, t in m.state_dict().items() if not name.endswith(("k_scale", "v_scale", "inv_freq")))
+
+    assert count(model) == count(hf)
+    assert 100e9 < 2 * count(model) < 115e9
+    specs = {attn.kv_cache_spec(16, torch.bfloat16) for attn in model.attention_layers()}
+    entries = sorted((s.compress_rate, s.head_dim, s.rows_per_block) for s in specs if isinstance(s, CompressedEntrySpec))
+    assert entries == [(4, 640, 4), (128, 512, 1)]
+    windows = sorted(s.sliding_window for s in specs if isinstance(s, SlidingTokenRowSpec))
+    assert windows == [128, 128]

@@ -149,7 +149,7 @@ class KVCacheManager:
         self.block_size = config.groups[0].spec.block_size
         self.managers: list[GroupManager] = []
         for group in config.groups:
-            pool = BlockPool(config.num_blocks, enable_caching)
+            pool = BlockPool(config.num_blocks_of(group.group_id), enable_caching)
             cls = SlidingWindowManager if isinstance(group.spec, SlidingWindowSpec) else GroupManager
             self.managers.append(cls(group, pool))
         self.prefix_queries = 0  # in tokens, for metrics

@@ -5,12 +5,12 @@ matrices); mixtures of experts routed by sqrtsoftplus scores (or, in hash_moe la
 with clamped SwiGLU experts and a shared expert. The math is HF transformers' (models/deepseek_v4), the references
 in surge/kernels/deepseek_v4_reference.py.
 
-KV cache: every layer caches one row per token (surge/attention/deepseek_v4.py): its key-value, and in compressed
-layers the compressor's per-token state and, in the row of a window's last token, the entry the window makes. This
-is the simplest design that is exact under prefix-cache hits, chunked prefill and preemption (a row depends only on
-its prefix, and a window's entry is made once, from cached state, whichever step completes it), and its attention is
-plain torch on every device; it costs memory (state rows are kept after their window closed) and CUDA graphs. The
-per-rate caches with their own block accounting are the follow-up (issue 29, point 1).
+KV cache (surge/attention/deepseek_v4.py): every layer caches one row per token, its key-value and in compressed
+layers the compressor's per-token state, in a sliding-window group (kept while the attention's window or the
+compressor's partial window reads it); compressed layers add a cache of their own per rate holding one entry per
+window (and the indexer's key). Both are exact under prefix-cache hits, chunked prefill and preemption (a row depends
+only on its prefix, and a window's entry is made once, from cached state, whichever step completes it). The
+attention is plain torch on every device, so no CUDA graphs yet.
 
 Checkpoint names: DeepSeek's (`layers.N.attn.wq_a`, `ffn.experts.E.w1` ...), as transformers' save_pretrained writes
 them (under `model.`, with `head.weight`) and as the released checkpoints do (no prefix, `embed.weight`,
@@ -27,17 +27,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from surge import envs
 from surge.attention.backend import AttentionMetadata
-from surge.attention.deepseek_v4 import (RowLayout, WindowCompressor, close_windows, entry_rows, rows_of,
+from surge.attention.deepseek_v4 import (RowLayout, WindowCompressor, close_windows, entry_slots, rows_of,
                                          select_entries, sink_attention, slots_of)
-from surge.core.kv_cache.spec import KVCacheSpec, SlidingTokenRowSpec, TokenRowSpec
+from surge.core.kv_cache.spec import CompressedEntrySpec, KVCacheSpec, SlidingTokenRowSpec
 from surge.kernels.deepseek_v4_reference import mhc_post, mhc_pre
 from surge.kernels.reference import rotate_interleaved
 from surge.model.arch import CausalLM, WeightMapper, cfg_get, refuse, require
 from surge.model.layers.attention import Attention
 from surge.model.layers.embedding import VocabParallelEmbedding
 from surge.model.layers.linear import Linear
-from surge.model.layers.moe import FusedMoE
+from surge.model.layers.moe import FusedMoE, uniform_random_routing
 from surge.model.layers.rotary import RotaryEmbedding, rope_parameters
 
 _SCORES = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
@@ -106,8 +107,16 @@ class Indexer(nn.Module):
         self.compressor = Compressor(tc.hidden_size, self.head_dim, rate, True, tc.rms_norm_eps)
 
 
-class RowCache(Attention):
-    """Binds a V4 layer's row cache (the runner allocates it by the spec declared here); attends nowhere itself."""
+def _v4_cache_dtype(dtype: torch.dtype) -> torch.dtype:
+    if not dtype.is_floating_point or dtype.itemsize == 1:
+        raise ValueError(f"kv_cache_dtype={str(dtype).removeprefix('torch.')} is not supported for DeepSeek V4 "
+                         "layers yet; use kv_cache_dtype='auto'")
+    return dtype
+
+
+class TokenRows(Attention):
+    """Binds a V4 layer's token rows (the runner allocates them by the spec declared here); attends nowhere itself.
+    Its group's window covers the attention's and the compressor's partial window."""
 
     def __init__(self, num_heads: int, head_dim: int, sliding_window: int, layout: RowLayout, scale: float) -> None:
         super().__init__(num_heads, 1, head_dim, sliding_window, scale=scale)
@@ -115,12 +124,21 @@ class RowCache(Attention):
         self.layout = layout
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        if not dtype.is_floating_point or dtype.itemsize == 1:
-            raise ValueError(f"kv_cache_dtype={str(dtype).removeprefix('torch.')} is not supported for DeepSeek V4 "
-                             "layers yet; use kv_cache_dtype='auto'")
-        if not self.layout.rate:
-            return SlidingTokenRowSpec(block_size, 1, self.layout.width, dtype, sliding_window=self.sliding_window)
-        return TokenRowSpec(block_size, 1, self.layout.width, dtype)
+        return SlidingTokenRowSpec(block_size, 1, self.layout.width, _v4_cache_dtype(dtype),
+                                   sliding_window=max(self.sliding_window, self.layout.state_window()))
+
+
+class EntryRows(Attention):
+    """Binds a compressed layer's entry rows: one per window of layout.rate tokens, every one kept."""
+
+    def __init__(self, num_heads: int, head_dim: int, layout: RowLayout, scale: float) -> None:
+        super().__init__(num_heads, 1, head_dim, scale=scale)
+        self.params = dataclasses.replace(self.params, has_sinks=True, host_path=True)
+        self.layout = layout
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        return CompressedEntrySpec(block_size, 1, self.layout.entry_width, _v4_cache_dtype(dtype),
+                                   compress_rate=self.layout.rate)
 
 
 class DeepseekV4Attention(nn.Module):
@@ -147,11 +165,14 @@ class DeepseekV4Attention(nn.Module):
             self.compressor = Compressor(hidden, d, self.rate, csa, eps)
         self.indexer = Indexer(tc, self.rate) if csa else None
         layout = RowLayout(d, self.rate, csa, tc.index_head_dim if csa else 0)
-        self.attn = RowCache(heads, d, self.window, layout, d ** -0.5)
+        self.attn = TokenRows(heads, d, self.window, layout, d ** -0.5)
+        self.entries = EntryRows(heads, d, layout, d ** -0.5) if self.rate else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: list[AttentionMetadata]) -> torch.Tensor:
         m, layout = meta[self.attn.group_id], self.attn.layout
-        rows, block_size = rows_of(self.attn.kv_cache, layout), self.attn.kv_cache.shape[2]
+        rows, block_size = rows_of(self.attn.kv_cache), self.attn.kv_cache.shape[2]
+        if self.rate:
+            entries, em = rows_of(self.entries.kv_cache), meta[self.entries.group_id]
         q_res = self.q_norm(self.wq_a(x))
         q = rms_norm(self.wq_b(q_res).view(-1, self.num_heads, self.head_dim), None, self.eps)
         q = rope_tail(q, self.rotary, positions)
@@ -161,13 +182,13 @@ class DeepseekV4Attention(nn.Module):
             c = self.compressor
             rows[m.slot_mapping, layout.column("state_kv")] = c.wkv(x)
             rows[m.slot_mapping, layout.column("state_gate")] = c.wgate(x)
-            close_windows(rows, m, block_size, self.rate, c.overlap,
+            close_windows(rows, entries, m, em, block_size, self.rate, c.overlap,
                           c.params(self.rotary, layout, ("state_kv", "state_gate", "entry")))
         if self.indexer is not None:
             ic = self.indexer.compressor
             rows[m.slot_mapping, layout.column("index_kv")] = ic.wkv(x)
             rows[m.slot_mapping, layout.column("index_gate")] = ic.wgate(x)
-            close_windows(rows, m, block_size, self.rate, True,
+            close_windows(rows, entries, m, em, block_size, self.rate, True,
                           ic.params(self.rotary, layout, ("index_kv", "index_gate", "index_entry")))
             index_q = self.indexer.wq_b(q_res).view(-1, self.indexer.num_heads, self.indexer.head_dim)
             index_q = rope_tail(index_q, self.rotary, positions)
@@ -177,15 +198,17 @@ class DeepseekV4Attention(nn.Module):
         for r in range(m.num_reqs):
             start, end = qsl[r], qsl[r + 1]
             if end > start:
-                out[start:end] = self._attend(rows, m.block_table[r], m.seq_lens[r], q[start:end], block_size,
-                                              None if index_q is None else (index_q[start:end], index_w[start:end]))
+                out[start:end] = self._attend(
+                    rows, m.block_table[r], entries if self.rate else None, em.block_table[r] if self.rate else None,
+                    m.seq_lens[r], q[start:end], block_size,
+                    None if index_q is None else (index_q[start:end], index_w[start:end]))
         out = rope_tail(out, self.rotary, positions, inverse=True)
         grouped = out.view(-1, self.groups, self.num_heads * self.head_dim // self.groups)
         w = self.wo_a.weight.view(self.groups, self.o_rank, -1)  # block-diagonal: one [o_rank, in] block a group
         grouped = torch.einsum("tgi,gri->tgr", grouped, w)
         return self.wo_b(grouped.flatten(1))
 
-    def _attend(self, rows, table, seq_len: int, q, block_size: int, index) -> torch.Tensor:
+    def _attend(self, rows, table, entries, entry_table, seq_len: int, q, block_size: int, index) -> torch.Tensor:
         """One request's n queries (the last n positions of its seq_len)."""
         layout, device = self.attn.layout, q.device
         n = q.shape[0]
@@ -195,13 +218,13 @@ class DeepseekV4Attention(nn.Module):
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - self.window)
         count = seq_len // self.rate if self.rate else 0
         if count:
-            entries = entry_rows(rows, table, count, self.rate, block_size)
+            slots = entry_slots(entry_table, torch.arange(count, device=device), self.rate, block_size)
             complete = (q_pos + 1) // self.rate  # windows complete at each query
             seen = torch.arange(count, device=device)[None, :] < complete[:, None]
             if index is not None:
-                index_keys = rows[entries, layout.column("index_entry")]
+                index_keys = entries[slots, layout.column("index_entry")]
                 seen &= select_entries(index[0], index[1], index_keys, complete, self.indexer.topk)
-            keys = torch.cat((keys, rows[entries, layout.column("entry")]))
+            keys = torch.cat((keys, entries[slots, layout.column("entry")]))
             visible = torch.cat((visible, seen), dim=1)
         return sink_attention(q, keys, visible, self.attn_sink, self.attn.scale)
 
@@ -239,9 +262,13 @@ class DeepseekV4MoE(nn.Module):
         self.experts = FusedMoE(num_experts, hidden, tc.moe_intermediate_size, activation="silu_clamped",
                                 swiglu_limit=limit)
         self.shared_experts = SharedExpert(hidden, tc.moe_intermediate_size, limit)
+        self.routing_simulation = envs.SURGE_MOE_ROUTING_SIMULATION  # benchmarks: as SparseMoeBlock
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         scores = self.score(F.linear(x, self.gate.weight))
+        if self.routing_simulation == "uniform_random":  # hash layers too: their table is random weights as well
+            weights, ids = uniform_random_routing(scores, self.top_k, x.dtype)
+            return self.experts(x, weights * self.scaling, ids) + self.shared_experts(x)
         if self.hashed:
             ids = self.gate.tid2eid[input_ids].long()
         else:
