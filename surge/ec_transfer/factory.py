@@ -8,6 +8,7 @@ from surge.ec_transfer.base import ECConnectorBase
 
 _CONNECTORS: dict[str, str] = {
     "ECSharedStorageConnector": "surge.ec_transfer.shared_storage:ECSharedStorageConnector",
+    "ECMooncakeStoreConnector": "surge.ec_transfer.mooncake_store:ECMooncakeStoreConnector",
 }
 
 
