@@ -12,6 +12,7 @@ from PIL import Image
 from surge import LLM, SamplingParams
 from surge.config import ECTransferConfig
 from surge.ec_transfer.factory import create_ec_connector
+from tiny_models import make_tiny_model
 from tiny_vlm import make_tiny_llava
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -92,3 +93,5 @@ def test_bad_configs_are_clear_errors(tmp_path, engines):
         LLM(engines[0], **ENGINE, ec_transfer_config={"ec_connector": "ECSharedStorageConnector"})
     with pytest.raises(ValueError, match="ec_connector='Nope' is unknown"):
         LLM(engines[0], **ENGINE, ec_transfer_config={"ec_connector": "Nope"})
+    with pytest.raises(ValueError, match="needs a multimodal model; LlamaForCausalLM takes no images"):
+        LLM(make_tiny_model("llama", tmp_path / "llama"), **ENGINE, ec_transfer_config=ec(tmp_path, "ec_consumer"))
