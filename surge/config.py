@@ -567,6 +567,49 @@ class KVTransferConfig:
                                   '{"kv_connector": "OffloadingConnector"}')
 
 
+EC_ROLES = ("ec_producer", "ec_consumer", "ec_both")
+
+
+@dataclass(frozen=True)
+class ECTransferConfig:
+    """An encoder cache connector (surge/ec_transfer), as vLLM users write `--ec-transfer-config`: encoder
+    disaggregation. An ec_producer instance is encoder-only (it encodes each request's images, saves the embeddings
+    under their content hash and answers with no tokens); an ec_consumer instance loads an image's embeddings from
+    the connector before encoding it itself (counted as a fallback when they are not there)."""
+    ec_connector: str
+    ec_role: str = "ec_consumer"
+    ec_connector_extra_config: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.ec_connector, str) and self.ec_connector):
+            raise ValueError(f"ec_transfer_config.ec_connector={self.ec_connector!r} must name a connector")
+        if self.ec_role not in EC_ROLES:
+            raise ValueError(f"ec_transfer_config.ec_role={self.ec_role!r} is not supported; choose "
+                             f"{', '.join(EC_ROLES)}")
+        if not isinstance(self.ec_connector_extra_config, dict):
+            raise ValueError(f"ec_transfer_config.ec_connector_extra_config must be an object, got "
+                             f"{type(self.ec_connector_extra_config).__name__}")
+
+    @property
+    def encoder_only(self) -> bool:
+        """An encoder instance: it computes and saves embeddings, never a token."""
+        return self.ec_role == "ec_producer"
+
+    @property
+    def loads(self) -> bool:
+        return self.ec_role in ("ec_consumer", "ec_both")
+
+    @property
+    def saves(self) -> bool:
+        return self.ec_role in ("ec_producer", "ec_both")
+
+    @staticmethod
+    def parse(value: str | dict | ECTransferConfig) -> ECTransferConfig:
+        return _parse_json_config(ECTransferConfig, "ec_transfer_config", value, ("ec_connector",),
+                                  '{"ec_connector": "ECSharedStorageConnector", "ec_role": "ec_producer", '
+                                  '"ec_connector_extra_config": {"shared_storage_path": "/dev/shm/ec"}}')
+
+
 def _parse_json_config(cls: type, name: str, value, required: tuple[str, ...], example: str):
     """A config written as JSON text (a CLI flag) or a dict (Python): an object whose keys are cls's fields."""
     if isinstance(value, cls):
@@ -690,6 +733,7 @@ class EngineConfig:
     cuda_graph_capture: str = "startup"
     weight_cache_config: WeightCacheConfig = field(default_factory=WeightCacheConfig)
     kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector
+    ec_transfer_config: ECTransferConfig | None = None  # None: images are encoded here, by this instance alone
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora_config: LoRAConfig | None = None  # None: no LoRA adapters (the base model's layers untouched)

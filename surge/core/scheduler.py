@@ -13,6 +13,10 @@ proposes on the device (n-gram lookup under async scheduling), a request is sche
 still in flight: 1 + k more tokens, counted as if every draft were accepted, and the runner starts the row where the
 verdict really ended (the rollback then books the difference, as above).
 
+An encoder-only instance (encoder disaggregation) schedules no tokens: each step hands waiting requests' images to
+the runner under the encoder budget (one request at least, whatever its size), and a request finishes, with no
+output token, in the step that encoded and saved its images.
+
 The scheduler also remembers what the runner holds of each request, so the step message carries only diffs.
 """
 from __future__ import annotations
@@ -24,15 +28,18 @@ from surge.core.encoder_budget import EncoderBudget
 from surge.core.kv_cache.manager import KVCacheManager
 from surge.core.kv_connector import KVConnectorOutput, SchedulerConnector
 from surge.core.request import Request, RequestStatus
-from surge.core.scheduler_output import NewRequest, ScheduledRequest, SchedulerOutput
+from surge.core.scheduler_output import EncodeRequest, NewRequest, ScheduledRequest, SchedulerOutput
 from surge.core.spec_decode_stats import SpecDecodingStats
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  connector: SchedulerConnector | None = None, num_lookahead_tokens: int = 0,
-                 num_device_drafts: int = 0, max_loras: int = 0) -> None:
+                 num_device_drafts: int = 0, max_loras: int = 0, encoder_only: bool = False) -> None:
         self.config = config
+        # An encoder instance (ec_producer): requests are encoded, never prefilled; those in flight wait here.
+        self.encoder_only = encoder_only
+        self.encoding: dict[str, Request] = {}
         # LoRA: at most this many distinct adapters among the running requests (so in any step); 0: no LoRA.
         self.max_loras = max_loras
         # k when the runner proposes drafts on the device after every sampling step (surge/spec_decode/ngram.py
@@ -67,7 +74,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_kv or self._held_for_save)
+        return bool(self.waiting or self.running or self.waiting_for_kv or self._held_for_save or self.encoding)
 
     def has_connector_work(self) -> bool:
         """True when a step must run for the connector alone: loads in flight, saves to hear back from."""
@@ -75,6 +82,8 @@ class Scheduler:
                                                    or self.connector.has_pending_work())
 
     def schedule(self) -> SchedulerOutput:
+        if self.encoder_only:
+            return self._schedule_encoding()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
@@ -215,6 +224,23 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
+    def _schedule_encoding(self) -> SchedulerOutput:
+        """An encoder instance's step: waiting requests, in arrival order, while their images fit the encoder budget
+        (the first whatever its size), to be encoded and saved; a request without images finishes at once."""
+        out = SchedulerOutput()
+        remaining = self.config.max_num_encoder_input_tokens
+        while self.waiting and len(self.encoding) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cost = sum({f.identifier: f.length for f in req.mm_features}.values())
+            if out.encode_only and cost > remaining:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.encoding[req.request_id] = req
+            out.encode_only.append(EncodeRequest(req.request_id, req.mm_features))
+            remaining -= cost
+        return out
+
     def remove_lora(self, lora_int_id: int) -> None:
         """The server unloaded this adapter: the runners free its slot and host copy once no request uses it (one
         still running keeps it until it finishes)."""
@@ -320,6 +346,11 @@ class Scheduler:
         if kv_output is not None:
             self._update_from_connector(kv_output)
         progressed = []
+        for e in out.encode_only:  # encoded and saved: done, with no token
+            req = self.requests.get(e.request_id)
+            if req is not None:
+                self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+                progressed.append((req, []))
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
             if req is None:
@@ -399,6 +430,9 @@ class Scheduler:
         """Finish (stop string found by the detokenizer) or abort a request, running or waiting."""
         req = self.requests.pop(request_id, None)
         if req is None:
+            return
+        if self.encoding.pop(request_id, None) is not None:
+            req.status = status
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)

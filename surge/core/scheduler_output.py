@@ -26,6 +26,13 @@ class NewRequest(msgspec.Struct, array_like=True, gc=False):
     mm_features: list[MultiModalFeature] = []  # its images: the runner encodes each before prefilling its span
 
 
+class EncodeRequest(msgspec.Struct, array_like=True, gc=False):
+    """An encoder-only instance's request (encoder disaggregation): the runner encodes its images and saves their
+    embeddings through the EC connector; no token of it is computed."""
+    request_id: str
+    mm_features: list[MultiModalFeature]
+
+
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     num_computed_tokens: int  # before this step
@@ -71,6 +78,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # LoRA adapters unloaded by the server that no request uses any more: the runners free their slots.
     removed_lora_ids: list[int] = []
     grammar_bitmask: GrammarBitmask | None = None  # structured output: applied to the logits before sampling
+    encode_only: list[EncodeRequest] = []  # an encoder-only instance's requests whose images this step encodes
     kv_connector_metadata: bytes = b""  # the KV connector's instructions to its worker half (its own encoding)
     shutdown: bool = False  # executors of worker processes: the ranks stop
 
@@ -80,4 +88,4 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.encode_only

@@ -35,6 +35,7 @@ class Route:
     stream: bool
     split: bool
     body: object  # the codec's own view of the body
+    images: bool = False  # it carries image parts: an encoder instance, if any, encodes them first
 
 
 def _raw(value) -> bytes:
@@ -48,7 +49,8 @@ class RawBodies:
         fields = _fields.decode(body)  # ValueError (msgspec.DecodeError) on anything but a JSON object
         stream = _bool.decode(fields["stream"]) if "stream" in fields else False
         n = _int.decode(fields["n"]) if "n" in fields else 1
-        return Route(stream, n == 1 and not _several_prompts(fields.get("prompt")), fields)
+        return Route(stream, n == 1 and not _several_prompts(fields.get("prompt")), fields,
+                     _has_images(fields.get(_CONTENT_KEYS.get(api, ""))))
 
     @staticmethod
     def _join(fields: dict[str, msgspec.Raw], changes: dict[str, bytes | None]) -> bytes:
@@ -73,11 +75,30 @@ class RawBodies:
         raw = _raw(_answer.decode(answer).kv_transfer_params)
         return None if raw == b"null" else raw
 
+    def encode_body(self, route: Route) -> bytes:
+        """The encoder instance's leg: the client's body, answered whole (no stream)."""
+        return self._join(route.body, {"stream": b"false", "stream_options": None})
+
     def decode_body(self, route: Route, params: bytes) -> bytes:
         return self._join(route.body, {"kv_transfer_params": params})
 
     def relay(self, chunk: bytes) -> bytes:
         return chunk
+
+
+# Per API, the key whose value holds content parts, and the part types that carry an image.
+_CONTENT_KEYS = {"chat": "messages", "responses": "input"}
+_IMAGE_TYPES = (b'"image_url"', b'"input_image"')
+
+
+def _has_images(raw) -> bool:
+    """Whether the messages (or input) hold an image part, by a scan of their bytes for the part types' quoted
+    names, without decoding them. Inside a JSON string a quote is escaped, so text that mentions a type is no match;
+    a text part that is exactly the word only sends a request through the encoder instance for nothing."""
+    if raw is None:
+        return False
+    data = _raw(raw)
+    return any(t in data for t in _IMAGE_TYPES)
 
 
 def _several_prompts(raw) -> bool:

@@ -12,7 +12,7 @@ FAILURE_PAUSE_S = 2.0  # after a failed connection, an instance goes to the back
 @dataclass
 class Instance:
     url: str  # http://host:port, no trailing slash
-    role: str  # "prefill" | "decode"
+    role: str  # "encode" | "prefill" | "decode"
     outstanding: int = 0
     failed_at: float = field(default=-1e9)
     num_requests: int = 0

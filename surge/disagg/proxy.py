@@ -4,6 +4,13 @@ and Responses, streamed or not, it sends the prefill leg (max_tokens=1, no strea
 the decode leg (the client's body with the returned kv_transfer_params) to a decode instance, and relays that
 instance's response bytes untouched, SSE chunk by chunk.
 
+With --encode (encoder disaggregation), a Chat Completions or Responses request with image parts first goes, as
+the client's bytes (answered whole, not streamed), to an encoder instance (`surge serve --ec-transfer-config` with
+ec_role ec_producer), which encodes its images and saves their embeddings under their content hashes; then on to
+prefill and decode as below, where the prefill (or combined) instance loads them. Requests without images never
+go to an encoder instance. An encoder leg that fails (no instance reachable, a 5xx, after one retry) is counted
+(surge_proxy:encoder_fallbacks) and the request goes on: the prefill instance encodes its images itself.
+
 Without --prefill it is a plain balancer over the --decode instances (each request served whole by one), the
 co-located baseline of a disaggregated deployment.
 
@@ -70,6 +77,8 @@ class ProxyMetrics:
         self.requests = Counter("surge_proxy:requests", "Requests by API and outcome.", ["api", "outcome"],
                                 registry=r)
         self.retries = Counter("surge_proxy:leg_retries", "Legs retried on another instance.", ["role"], registry=r)
+        self.encoder_fallbacks = Counter("surge_proxy:encoder_fallbacks", "Requests with images whose encoder "
+                                         "leg failed: the prefill instance encoded them.", registry=r)
         self.prefill_seconds = Histogram("surge_proxy:prefill_leg_seconds", "Time of the prefill leg.",
                                          registry=r, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                                                               10, 30, 60))
@@ -84,7 +93,9 @@ class ProxyMetrics:
 
 
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], codec=None, timeout_s: float = 600.0) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], codec=None, timeout_s: float = 600.0,
+                 encode: list[str] | None = None) -> None:
+        self.encode = Pool("encode", encode) if encode else None  # encoder instances, for requests with images
         # No prefill instance: a plain balancer, each request served whole by one instance (the co-located
         # baseline a disaggregated deployment is measured against).
         self.prefill = Pool("prefill", prefill) if prefill else None
@@ -92,7 +103,7 @@ class Proxy:
         self.codec = codec if codec is not None else RawBodies()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-        self.metrics = ProxyMetrics([p for p in (self.prefill, self.decode) if p is not None])
+        self.metrics = ProxyMetrics([p for p in (self.encode, self.prefill, self.decode) if p is not None])
         self._models: bytes | None = None
         routes = [Route(path, self._handler(path, api), methods=["POST"]) for path, api in APIS.items()]
         routes += [Route("/health", self.health, methods=["GET"]), Route("/metrics", self.render_metrics),
@@ -126,6 +137,10 @@ class Proxy:
         except (msgspec.DecodeError, ValueError, TypeError) as e:
             return error_response(400, f"the request body must be a JSON object: {e}", "invalid_request_error")
         headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+        if route.images and self.encode is not None:
+            answer = await self._encode_leg(request, path, route, headers)
+            if answer is not None and 400 <= answer.status_code < 500:  # the client's mistake: as the instance gave it
+                return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
         decode_body = body
         if route.split and self.prefill is not None:
             start = time.perf_counter()
@@ -155,6 +170,18 @@ class Proxy:
                 inst.outstanding -= 1
             return Response(content, upstream.status_code, media_type=upstream.headers.get("content-type"))
         return StreamingResponse(self._relay(api, inst, upstream), media_type=upstream.headers.get("content-type"))
+
+    async def _encode_leg(self, request: Request, path: str, route, headers: dict) -> httpx.Response | None:
+        """The encoder instance's answer, or None when no encoder instance could take the leg (then the prefill
+        instance encodes the images itself: counted)."""
+        try:
+            _, answer = await self._until_disconnect(
+                request, self._send(self.encode, path, self.codec.encode_body(route), headers))
+        except Unavailable as e:
+            self.metrics.encoder_fallbacks.inc()
+            logger.warning("%s; the prefill instance encodes the images", e)
+            return None
+        return answer
 
     async def _relay(self, api: str, inst: Instance, upstream: httpx.Response):
         """The decode instance's stream, whole events at a time as they arrive (a cut-off event never reaches the
@@ -228,7 +255,8 @@ class Proxy:
 
     # ---- the proxy's own endpoints ----
     async def health(self, request: Request) -> Response:
-        """200 when at least one prefill and one decode instance answer their /health."""
+        """200 when at least one prefill and one decode instance answer their /health (encoder instances are
+        reported, not required: without one, prefill instances encode)."""
         async def up(inst: Instance) -> bool:
             try:
                 return (await self.client.get(inst.url + "/health", timeout=2.0)).status_code == 200
@@ -237,6 +265,9 @@ class Proxy:
         pools = [p for p in (self.prefill, self.decode) if p is not None]
         states = [await asyncio.gather(*(up(i) for i in pool.instances)) for pool in pools]
         ok = all(any(s) for s in states)
+        if self.encode is not None:
+            pools.append(self.encode)
+            states.append(await asyncio.gather(*(up(i) for i in self.encode.instances)))
         report = {pool.role: dict(zip([i.url for i in pool.instances], s)) for pool, s in zip(pools, states)}
         return Response(msgspec.json.encode({"status": "ok" if ok else "unavailable", **report}),
                         200 if ok else 503, media_type="application/json")
@@ -270,14 +301,15 @@ async def _disconnected(request: Request) -> None:
 
 
 def run_proxy(prefill: list[str], decode: list[str], host: str, port: int, timeout_s: float = 600.0,
-              log_level: str = "warning") -> None:
+              log_level: str = "warning", encode: list[str] | None = None) -> None:
     import uvicorn
     if not timeout_s > 0:
         raise ValueError(f"--timeout={timeout_s} must be a positive number of seconds")
     if not 0 < port < 65536:
         raise ValueError(f"--port={port} must be in [1, 65535]")
-    proxy = Proxy(prefill, decode, timeout_s=timeout_s)
-    logger.info("surge proxy on http://%s:%d: prefill %s, decode %s", host, port,
+    proxy = Proxy(prefill, decode, timeout_s=timeout_s, encode=encode)
+    logger.info("surge proxy on http://%s:%d: encode %s, prefill %s, decode %s", host, port,
+                [i.url for i in proxy.encode.instances] if proxy.encode else "none",
                 [i.url for i in proxy.prefill.instances] if proxy.prefill else "none (plain balancing)",
                 [i.url for i in proxy.decode.instances])
     uvicorn.run(proxy.app, host=host, port=port, log_level=log_level, access_log=False)

@@ -16,8 +16,8 @@ import torch
 
 import surge.weight_cache.ipc_loader  # noqa: F401 (registers the weight_cache load format)
 from surge.config import (CUDA_GRAPH_CAPTURE_MODES, RUNNERS, WEIGHT_CACHE_MODES, CacheConfig, EngineConfig,
-                          read_json_object,
-                          KVTransferConfig, LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
+                          ECTransferConfig, KVTransferConfig, LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig,
+                          SchedulerConfig, read_json_object,
                           SpeculativeConfig, StructuredOutputsConfig, WeightCacheConfig)
 from surge.engine.sentence_transformers_config import read_pooler_config
 from surge.model.loader.base import load_formats
@@ -71,6 +71,8 @@ class EngineArgs:
     kv_transfer_config: str | dict | None = None
     kv_offload_gib: float | None = None  # the CPU offload tier's size: OffloadingConnector, unless one is named
     kv_transfer_timeout: float | None = None  # prefill -> decode: seconds a finished request's blocks wait to be read
+    # Encoder disaggregation, as JSON text or a dict: {"ec_connector": NAME, "ec_role": "ec_producer", ...}.
+    ec_transfer_config: str | dict | None = None
     # Speculative decoding, as JSON text or a dict: {"method": "ngram", "num_speculative_tokens": k, ...}.
     speculative_config: str | dict | None = None
     # Reasoning models: the name of the markers around the reasoning text (surge/structured_output/reasoning.py); a
@@ -190,6 +192,12 @@ class EngineArgs:
         g.add_argument("--kv-transfer-timeout", type=float, default=d.kv_transfer_timeout, help="prefill instance "
                        "(MooncakeTransferConnector): seconds a finished request's KV blocks wait for the decode "
                        "instance to read them before they are freed (default 30)")
+        g.add_argument("--ec-transfer-config", default=d.ec_transfer_config, help="encoder disaggregation: an "
+                       "encoder cache connector as JSON, e.g. '{\"ec_connector\": \"ECSharedStorageConnector\", "
+                       "\"ec_role\": \"ec_producer\", \"ec_connector_extra_config\": {\"shared_storage_path\": "
+                       "\"/dev/shm/ec\"}}'. ec_producer: an encoder-only instance (`surge proxy --encode`); "
+                       "ec_consumer: a prefill (or combined) instance that loads the embeddings, encoding an image "
+                       "itself when they are missing (surge:encoder_fallback_total)")
         g = p.add_argument_group("loading (Fast Start: `surge weight-cache serve` keeps the weights loaded)")
         g.add_argument("--load-format", default=d.load_format, choices=list(_load_format_choices()),
                        help="weight_cache: map the weights from this node's weight-cache daemons")
@@ -262,6 +270,8 @@ class EngineArgs:
             cuda_graph_capture=self.cuda_graph_capture,
             weight_cache_config=weight_cache_config,
             kv_transfer_config=self.create_kv_transfer_config(),
+            ec_transfer_config=None if self.ec_transfer_config is None else
+            ECTransferConfig.parse(self.ec_transfer_config),
             speculative_config=self.create_speculative_config(model_config, device),
             structured_outputs_config=self.create_structured_outputs_config(),
             lora_config=self.create_lora_config(),

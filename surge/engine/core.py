@@ -69,6 +69,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # Encoder disaggregation (zero without an EC connector): images whose embeddings were loaded from the encoder
+    # instance, saved for a prefill instance (an encoder instance's), and encoded here because the encoder
+    # instance's were not there (it is down, failed, or the request did not pass it).
+    ec_loaded_images: int = 0
+    ec_saved_images: int = 0
+    encoder_fallbacks: int = 0
     # LoRA: the adapters of the running and of the waiting requests, by name (vLLM's lora_requests_info labels).
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
@@ -94,7 +100,11 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
                                    num_lookahead_tokens=sc.num_lookahead_tokens if sc is not None else 0,
                                    num_device_drafts=sc.num_speculative_tokens if device_drafts else 0,
-                                   max_loras=config.lora_config.max_loras if config.lora_config else 0)
+                                   max_loras=config.lora_config.max_loras if config.lora_config else 0,
+                                   encoder_only=config.ec_transfer_config is not None
+                                   and config.ec_transfer_config.encoder_only)
+        # Encoder disaggregation's counters, summed from the runner's step outputs.
+        self.ec_loaded = self.ec_saved = self.encoder_fallbacks = 0
         # Host n-gram drafts are looked up here; a draft model's, and device ones, come with each step's output.
         self.proposer = NgramProposer(sc) if sc is not None and sc.method == "ngram" and not device_ngram else None
         self.speculates = sc is not None
@@ -192,6 +202,8 @@ class EngineCore:
             stats.kv_load_seconds, stats.kv_save_seconds, stats.kv_storage_usage = (
                 c.load_seconds, c.save_seconds, c.pool_usage)
             stats.kv_failures = c.failures  # failed or partial loads (recomputed) and store errors
+        stats.ec_loaded_images, stats.ec_saved_images = self.ec_loaded, self.ec_saved
+        stats.encoder_fallbacks = self.encoder_fallbacks
         if self.config.lora_config is not None:
             stats.running_lora_adapters = _adapter_names(self.scheduler.running)
             stats.waiting_lora_adapters = _adapter_names(self.scheduler.waiting)
@@ -290,8 +302,12 @@ class EngineCore:
 
     def _process(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         # Requests still known before the update (a finished one is dropped from the scheduler by it).
-        live = {s.request_id: req for s in sched_out.scheduled
-                if (req := self.scheduler.requests.get(s.request_id)) is not None}
+        live = {rid: req for rid in [*(s.request_id for s in sched_out.scheduled),
+                                     *(e.request_id for e in sched_out.encode_only)]
+                if (req := self.scheduler.requests.get(rid)) is not None}
+        self.ec_loaded += result.ec_loaded_images
+        self.ec_saved += result.ec_saved_images
+        self.encoder_fallbacks += result.encoder_fallbacks
         progressed = {req.request_id: (req, tokens) for req, tokens in self.scheduler.update_from_output(
             sched_out, result.sampled, result.kv_connector_output)}
         if self.speculates:

@@ -1,17 +1,23 @@
 """The encoder cache: each image's embeddings, keyed by its content hash, from the step that first needs them until
 every request using it has prefilled its placeholders; chunked prefill may split an image's span over several steps
-and requests may share an image, and neither encodes it twice."""
+and requests may share an image, and neither encodes it twice. With an EC connector that loads (encoder
+disaggregation), an image's embeddings come from the encoder instance when it saved them, and are encoded here
+otherwise (counted: a fallback)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from surge.ec_transfer.base import ECConnectorBase
 from surge.multimodal import MultiModalFeature
 
 
 class EncoderCache:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, connector: ECConnectorBase | None = None) -> None:
         self.device = device
+        self.connector = connector if connector is not None and connector.transfer_config.loads else None
+        self.num_loaded = 0  # images whose embeddings the connector supplied (read and reset by the runner)
+        self.num_fallbacks = 0  # images encoded here although the connector was asked for them
         self.embeds: dict[str, torch.Tensor] = {}  # identifier -> [length, hidden]
         self.users: dict[str, set[str]] = {}  # identifier -> requests whose placeholders are not all prefilled
 
@@ -23,6 +29,14 @@ class EncoderCache:
             self.users.setdefault(f.identifier, set()).add(request_id)
             if f.identifier not in self.embeds:
                 missing[f.identifier] = f
+        if self.connector is not None:
+            for identifier, f in list(missing.items()):
+                rows = self.connector.load(identifier, self.device)
+                if rows is not None and rows.shape[0] == f.length:
+                    self.embeds[identifier] = rows
+                    self.num_loaded += 1
+                    del missing[identifier]
+            self.num_fallbacks += len(missing)
         if not missing:
             return
         features = list(missing.values())

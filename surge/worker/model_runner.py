@@ -22,8 +22,9 @@ from surge.config import EngineConfig
 from surge.core.kv_cache.spec import (KVCacheConfig, KVCacheGroup, build_kv_cache_groups, live_block_caps,
                                       num_blocks_for_budget)
 from surge.core.kv_connector import KVConnectorOutput
-from surge.core.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
+from surge.core.scheduler_output import EncodeRequest, GrammarBitmask, ScheduledRequest, SchedulerOutput
 from surge.distributed.parallel_state import get_tp_group, layout_of_rank
+from surge.ec_transfer.factory import create_ec_connector
 from surge.kernels.token_bitmask import apply_token_bitmask_, bitmask_to_device
 from surge.kernels.triton_key import use_cached_triton_key
 from surge.kv_transfer.base import KVConnectorRole
@@ -64,6 +65,11 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     kv_connector_output: KVConnectorOutput | None = None  # with a KV connector: loads and saves that finished
     draft_token_ids: dict[str, list[int]] = {}  # a draft model's proposals for each sampling request's next step
     pooler_output: dict[str, list[float]] = {}  # pooling requests whose prompt the step completed: their output
+    # Encoder disaggregation: images this step took from the EC connector, saved to it (an encoder instance), and
+    # encoded here although the connector was asked for them (fallbacks).
+    ec_loaded_images: int = 0
+    ec_saved_images: int = 0
+    encoder_fallbacks: int = 0
 
 
 def available_memory(device: torch.device) -> int:
@@ -164,7 +170,12 @@ class ModelRunner:
             raise ValueError(f"speculative decoding is not supported with {mc.architecture} (M-RoPE positions) yet")
         self.requests = RequestStates(len(self.kv_cache_config.groups), self.device,
                                       self.model.mrope_positions if mrope else None)
-        self.encoder_cache = EncoderCache(self.device)  # image embeddings (a multimodal model's) until prefilled
+        # Encoder disaggregation: embeddings saved for (encoder instance) or loaded from (prefill instance) another.
+        self.ec_connector = create_ec_connector(config)
+        if self.ec_connector is not None and not hasattr(self.model, "embed_images"):
+            raise ValueError(f"ec_transfer_config (--ec-transfer-config) needs a multimodal model; {mc.architecture} "
+                             "takes no images")
+        self.encoder_cache = EncoderCache(self.device, self.ec_connector)  # image embeddings until prefilled
         # Structured output, in-process only: called with the step message once its forward is launched, returns
         # the masks (filled while the device runs it); None: they come in the message.
         self.grammar_bitmask_source: Callable[[SchedulerOutput], GrammarBitmask | None] | None = None
@@ -295,10 +306,12 @@ class ModelRunner:
             for lora_id in out.removed_lora_ids:
                 self.lora.remove(lora_id)
         pending = PendingOutput()
+        if out.encode_only:
+            self._encode_and_save(out.encode_only, pending)
         connector = self.kv_connector
         if connector is not None:
             connector.start_load_kv(out.kv_connector_metadata)  # synchronous loads land before the forward
-        if not out.is_empty:
+        if out.scheduled:
             batch = self.prepare_inputs(out.scheduled, states)
             batch.grammar_bitmask = out.grammar_bitmask
             batch.grammar_source = self.grammar_bitmask_source and (lambda: self.grammar_bitmask_source(out))
@@ -321,12 +334,32 @@ class ModelRunner:
         if connector is not None:
             connector.save_kv()
             pending.kv_output = connector.get_finished()
+        cache = self.encoder_cache
+        if cache.num_loaded or cache.num_fallbacks:
+            pending.ec_loaded_images, pending.encoder_fallbacks = cache.num_loaded, cache.num_fallbacks
+            cache.num_loaded = cache.num_fallbacks = 0
         if self.device.type == "cuda":
             pending.done = torch.cuda.Event()
             pending.done.record()
         if not out.is_empty and not self.first_step_launched.is_set():
             self.first_step_launched.set()
         return pending
+
+    def _encode_and_save(self, requests: list[EncodeRequest], pending: PendingOutput) -> None:
+        """An encoder instance's step: every distinct image of these requests through the vision tower in one call,
+        then saved through the EC connector (rank 0's; a tower replicated under TP computes the same rows)."""
+        features = list({f.identifier: f for e in requests for f in e.mm_features}.values())
+        if not features:
+            return
+        embeds = self.model.embed_images(features, self.device)
+        if not self.samples:
+            return
+        for f, rows in zip(features, embeds, strict=True):
+            if rows.shape[0] != f.length:
+                raise ValueError(f"an image's encoder output has {rows.shape[0]} rows but its prompt holds "
+                                 f"{f.length} placeholder tokens")
+            self.ec_connector.save(f.identifier, rows)
+        pending.ec_saved_images = len(features)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest], states: list[CachedRequestState]) -> StepBatch:
         """Token ids, positions, slot mappings and block tables into the persistent buffers; metadata per group."""
@@ -589,6 +622,9 @@ class PendingOutput:
     drafts: tuple[list[str], torch.Tensor] | None = None  # the proposals for each request's next step: ids, [n, k]
     num_valid_drafts: torch.Tensor | None = None  # [n]: of each row, the leading drafts to use (device n-gram)
     pooled: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # request id, pooled output
+    ec_loaded_images: int = 0
+    ec_saved_images: int = 0
+    encoder_fallbacks: int = 0
 
     def ready(self) -> bool:
         """True once result() would not wait."""
@@ -597,7 +633,8 @@ class PendingOutput:
     def result(self) -> ModelRunnerOutput:
         if self.done is not None:
             self.done.synchronize()
-        result = ModelRunnerOutput(kv_connector_output=self.kv_output)
+        result = ModelRunnerOutput(kv_connector_output=self.kv_output, ec_loaded_images=self.ec_loaded_images,
+                                   ec_saved_images=self.ec_saved_images, encoder_fallbacks=self.encoder_fallbacks)
         if self.sampled is not None:
             result.sampled = {rid: [token] for rid, token in zip(self.sample_ids, self.sampled.tolist())}
         if self.logprobs is not None:

@@ -1,6 +1,7 @@
 """`surge proxy` against stub instances on 127.0.0.1 (threads of this process, each its own uvicorn server): the
 legs it sends, the bytes it relays, retries and 503s, the error event that ends a stream whose instance is lost,
-plain balancing without prefill instances, and the least-outstanding order."""
+plain balancing without prefill instances, the least-outstanding order, and the encoder leg (only for requests
+with images; one that fails is counted and the request goes on)."""
 from __future__ import annotations
 
 import json
@@ -34,6 +35,12 @@ class Stub:
             body, more = body + message.get("body", b""), message.get("more_body", False)
         self.bodies.append(body)
         fields = json.loads(body) if body else {}
+        if self.role == "encode":
+            status = 400 if fields.get("user") == "bad" else 200
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"id": "e"}'})
+            return
         if self.role == "prefill":
             answer, media = b'{"id": "p", "kv_transfer_params": ' + PARAMS + b"}", b"application/json"
         elif not fields.get("stream"):
@@ -68,9 +75,10 @@ def serve(app) -> tuple[str, uvicorn.Server]:
 def stack():
     servers = []
 
-    def build(prefill: int = 1, dead_prefill: int = 0, decode: int = 1):
+    def build(prefill: int = 1, dead_prefill: int = 0, decode: int = 1, encode: int = 0, dead_encode: int = 0):
         stubs = {"prefill": [Stub("prefill") for _ in range(prefill)], "decode": [Stub("decode") for _ in
-                                                                              range(decode)]}
+                                                                              range(decode)],
+                 "encode": [Stub("encode") for _ in range(encode)]}
         urls = {}
         for role, group in stubs.items():
             urls[role] = []
@@ -79,7 +87,8 @@ def stack():
                 servers.append(server)
                 urls[role].append(url)
         dead = [f"http://127.0.0.1:{free_port()}" for _ in range(dead_prefill)]  # nothing listens there
-        url, server = serve(Proxy(dead + urls["prefill"], urls["decode"]).app)
+        dead_e = [f"http://127.0.0.1:{free_port()}" for _ in range(dead_encode)]
+        url, server = serve(Proxy(dead + urls["prefill"], urls["decode"], encode=dead_e + urls["encode"]).app)
         servers.append(server)
         return url, stubs
     yield build
@@ -146,3 +155,44 @@ def test_least_outstanding_first_and_a_failed_instance_last():
     assert pool.order(exclude=c)[0] is a
     with pytest.raises(ValueError, match="--prefill 'nohost' must be"):
         Pool("prefill", ["nohost"])
+
+
+IMAGE_CHAT = (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", '
+              b'"image_url": {"url": "data:image/png;base64,AAAA"}}]}], "stream": true, "max_tokens": 5}')
+IMAGE_RESPONSES = (b'{"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}], '
+                   b'"max_output_tokens": 5}')
+
+
+def test_requests_with_images_go_to_the_encoder_first_and_others_never(stack):
+    url, stubs = stack(encode=1)
+    assert httpx.post(url + "/v1/chat/completions", content=IMAGE_CHAT, timeout=10).status_code == 200
+    [encode_leg] = stubs["encode"][0].bodies
+    assert json.loads(encode_leg) == {**json.loads(IMAGE_CHAT), "stream": False}  # the client's body, not streamed
+    assert len(stubs["prefill"][0].bodies) == len(stubs["decode"][0].bodies) == 1
+    assert httpx.post(url + "/v1/responses", content=IMAGE_RESPONSES, timeout=10).status_code == 200
+    assert len(stubs["encode"][0].bodies) == 2
+    text_only = [("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "say \\"image_url\\""}]}'),
+                 ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", '
+                                          b'"text": "an input_image"}]}]}'),
+                 ("/v1/completions", b'{"prompt": "\\"image_url\\""}'), ("/v1/responses", b'{"input": "hi"}')]
+    for path, body in text_only:
+        assert httpx.post(url + path, content=body, timeout=10).status_code == 200
+    assert len(stubs["encode"][0].bodies) == 2
+    assert len(stubs["decode"][0].bodies) == 6
+
+
+def test_an_encoder_leg_that_fails_is_counted_and_the_request_goes_on(stack):
+    url, stubs = stack(dead_encode=2)
+    assert httpx.post(url + "/v1/chat/completions", content=IMAGE_CHAT, timeout=10).status_code == 200
+    assert len(stubs["prefill"][0].bodies) == len(stubs["decode"][0].bodies) == 1
+    assert "surge_proxy:encoder_fallbacks_total 1.0" in httpx.get(url + "/metrics").text
+    health = httpx.get(url + "/health", timeout=10)
+    assert health.status_code == 200 and not any(health.json()["encode"].values())  # reported, not required
+
+
+def test_an_encoder_instance_refusing_the_request_answers_the_client(stack):
+    url, stubs = stack(encode=1)
+    bad = IMAGE_CHAT[:-1] + b', "user": "bad"}'
+    answer = httpx.post(url + "/v1/chat/completions", content=bad, timeout=10)
+    assert answer.status_code == 400 and answer.content == b'{"id": "e"}'
+    assert not stubs["prefill"][0].bodies and not stubs["decode"][0].bodies

@@ -128,7 +128,8 @@ def cmd_bench_proxy(args: argparse.Namespace) -> int:
 
 def cmd_proxy(args: argparse.Namespace) -> int:
     from surge.disagg.proxy import run_proxy
-    run_proxy(args.prefill, args.decode, args.host, args.port, timeout_s=args.timeout, log_level=args.log_level)
+    run_proxy(args.prefill, args.decode, args.host, args.port, timeout_s=args.timeout, log_level=args.log_level,
+              encode=args.encode)
     return 0
 
 
@@ -274,8 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="where the store's processes log (default: a new temp dir)")
     p.set_defaults(func=cmd_kv_store_serve)
 
-    p = sub.add_parser("proxy", help="prefill/decode disaggregation: an OpenAI-compatible front that sends each "
-                       "request's prefill leg to a prefill instance and its decode leg to a decode instance")
+    p = sub.add_parser("proxy", help="encoder/prefill/decode disaggregation: an OpenAI-compatible front that sends "
+                       "a request's images to an encoder instance, its prefill leg to a prefill instance and its "
+                       "decode leg to a decode instance")
+    p.add_argument("--encode", nargs="+", action="extend", default=[], metavar="URL",
+                   help="encoder instances (surge serve with an ec_producer --ec-transfer-config): requests with "
+                   "images go to one first; if none can take one, the prefill instance encodes its images")
     p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
                    help="prefill instances (surge serve with a kv_producer MooncakeTransferConnector); none: "
                    "plain least-outstanding balancing over the --decode instances")

@@ -132,6 +132,19 @@ class PrometheusMetrics:
             }
             self.connector_usage = metric(Gauge, "kv_connector_storage_usage_perc", "Share of the connector's own "
                                           "storage in use (the offload tier's pool). 1 means 100 percent.")
+        # Encoder disaggregation (only with an EC connector): images whose embeddings came from the encoder
+        # instance, those an encoder instance saved, and those encoded here because they were not there.
+        self.ec = None
+        if config.ec_transfer_config is not None:
+            self.ec = {
+                "ec_loaded_images": metric(Counter, "ec_connector_loaded_images", "Images whose embeddings the EC "
+                                           "connector supplied (encoded by the encoder instance)."),
+                "ec_saved_images": metric(Counter, "ec_connector_saved_images", "Images an encoder instance "
+                                          "encoded and saved for a prefill instance."),
+                "encoder_fallbacks": metric(Counter, "encoder_fallback", "Images encoded locally because the "
+                                            "encoder instance's embeddings were not there (down, failed, or "
+                                            "not asked)."),
+            }
         # Speculative decoding (only with it), vLLM's names and meaning: request-steps with drafts, draft tokens,
         # accepted ones, and accepted per draft position.
         self.spec = None
@@ -173,9 +186,10 @@ class PrometheusMetrics:
                 for field_name, counter in self.connector.items():
                     counter.inc(getattr(stats, field_name) - (getattr(last, field_name) if last else 0))
                 self.connector_usage.set(stats.kv_storage_usage)
-            if self.spec is not None:
-                for field_name, counter in self.spec.items():
+            for group in (self.ec, self.spec):
+                for field_name, counter in (group or {}).items():
                     counter.inc(getattr(stats, field_name) - (getattr(last, field_name) if last else 0))
+            if self.spec is not None:
                 before = last.spec_accepted_per_pos if last else []
                 for j, count in enumerate(stats.spec_accepted_per_pos[:len(self.spec_per_pos)]):
                     self.spec_per_pos[j].inc(count - (before[j] if j < len(before) else 0))
