@@ -306,8 +306,10 @@ class OpenAIServing:
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them",
                               param="chat_template_kwargs")
-        template = chat_template if chat_template is not None else self.tokenizer.chat_template
-        read = _template_variables(template) if isinstance(template, str) else frozenset()
+        read = self.engine.input_processor.template_variables(chat_template)
+        if read is None:
+            template = chat_template if chat_template is not None else self.tokenizer.chat_template
+            read = _template_variables(template) if isinstance(template, str) else frozenset()
         return {k: v for k, v in kwargs.items() if k in read}
 
     def check_token_ids(self, token_ids: list, param: str) -> list[int]:

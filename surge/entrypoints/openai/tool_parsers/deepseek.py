@@ -1,5 +1,6 @@
 """DeepSeek V3 / R1 and V3.1 tool calls, written with the tokenizer's own marker tokens: a section
-`<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>` of calls `<｜tool▁call▁begin｜>HEAD<｜tool▁sep｜>BODY<｜tool▁call▁end｜>`.
+`<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>` of calls
+`<｜tool▁call▁begin｜>HEAD<｜tool▁sep｜>BODY<｜tool▁call▁end｜>`.
 V3 / R1 (`deepseek_v3`): HEAD is the call's type ("function"), BODY the name, a newline and the arguments in a
 ```json fence. V3.1 (`deepseek_v31`): HEAD is the name, BODY the arguments' JSON. A call is given out once its name is
 read, its arguments as they arrive; text before and after the section is the answer."""
