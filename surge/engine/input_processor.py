@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from surge.config import EngineConfig
+from surge.engine import deepseek_v4_prompt
 from surge.multimodal import MultiModalFeature
 from surge.multimodal.media import MediaConnector
 from surge.sampling_params import SamplingParams
@@ -16,6 +17,9 @@ Message = dict
 
 DEFAULT_IMAGES_PER_PROMPT = 16  # limit_mm_per_prompt's default for images
 IMAGE_PARTS = ("image_url", "image")  # chat content parts that carry an image
+# Architectures whose checkpoints ship no Jinja chat template: their own prompt encoder renders a conversation
+# (unless a chat_template is given), as vLLM's tokenizer modes of the same names do.
+PROMPT_ENCODERS = {"DeepseekV4ForCausalLM": deepseek_v4_prompt}
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -33,6 +37,7 @@ class InputProcessor:
         self._hf_processor = None  # the model's AutoProcessor, loaded with the first image
         mc = config.model_config
         self.media = MediaConnector(mc.allowed_local_media_path, mc.allowed_media_domains)
+        self.prompt_encoder = PROMPT_ENCODERS.get(mc.architecture)
 
     def process(self, prompt: Prompt) -> tuple[str | None, list[int], list[MultiModalFeature]]:
         """tokenize(), or for {"prompt": ..., "multi_modal_data": {"image": PIL image or list}} the model's processor:
@@ -160,6 +165,10 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
+    def template_variables(self, chat_template: str | None) -> frozenset[str] | None:
+        """The kwargs the model's own prompt encoder reads; None when a Jinja template renders (it reads its own)."""
+        return self.prompt_encoder.TEMPLATE_VARIABLES if chat_template is None and self.prompt_encoder else None
+
     def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True,
                     chat_template: str | None = None, **template_kwargs) -> list[int]:
         """Token ids of a conversation rendered by the chat template."""
@@ -168,6 +177,13 @@ class InputProcessor:
 
     def render_chat_text(self, conversation: list[Message], add_generation_prompt: bool = True,
                          chat_template: str | None = None, **template_kwargs) -> str:
+        if chat_template is None and self.prompt_encoder is not None:
+            unknown = sorted(set(template_kwargs) - self.prompt_encoder.TEMPLATE_VARIABLES - {"tools"})
+            if unknown:
+                raise ValueError(f"{self.config.model_config.architecture}'s prompt format takes no "
+                                 f"{', '.join(unknown)}; it reads "
+                                 f"{', '.join(sorted(self.prompt_encoder.TEMPLATE_VARIABLES))}")
+            return self.prompt_encoder.render(conversation, add_generation_prompt, **template_kwargs)
         if chat_template is None and not self.tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
         # The template writes the special tokens (BOS ...) itself, so the caller encodes without adding them.

@@ -125,6 +125,19 @@ def test_reasoning_gate_holds_the_grammar_until_the_closing_marker():
     assert _allowed(manager, _step("r"))["r"] == {ord("e")}
 
 
+@pytest.mark.parametrize("prompt, reasoning", [("Q:<think>", True), ("Q:</think>", False), ("Q:", False),
+                                               ("<think>a</think>Q:<think>", True)])
+def test_prompt_decides_the_reasoning_gate(prompt, reasoning):
+    """deepseek_v3 / deepseek_v4: the grammar waits for </think> only when the prompt left the reasoning open
+    (V3.1 / V4 thinking mode); a chat-mode prompt, or one with no marker, is constrained from the first token."""
+    manager = _manager(REASONING_MARKERS["deepseek_v4"])
+    _add(manager, "r", [ord(c) for c in prompt], choice=["yes", "no"])
+    assert _allowed(manager, _step("r")) == ({} if reasoning else {"r": {ord("y"), ord("n")}})
+    if reasoning:
+        manager.advance({"r": [ord(c) for c in "hmm</think>"]})
+        assert _allowed(manager, _step("r"))["r"] == {ord("y"), ord("n")}
+
+
 def test_waits_only_for_constrained_tokens_in_flight():
     manager = _manager()
     _add(manager, "r", regex="a+")

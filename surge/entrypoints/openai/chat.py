@@ -8,7 +8,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
 
 from surge.entrypoints.openai import structured
-from surge.entrypoints.openai.choice_output import ChoiceDelta, ChoiceOutputParser
+from surge.entrypoints.openai.choice_output import ChoiceDelta
 from surge.entrypoints.openai.errors import bad_request
 from surge.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                                ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs,
@@ -34,10 +34,6 @@ class ChatHandler:
         return await s.render_images(s.chat_messages(req.messages, images=images), images or [],
                                      req.add_generation_prompt, req.chat_template_kwargs, req.chat_template,
                                      tools.template_tools if tools is not None else None)
-
-    def parser(self, tools: ToolRequest | None) -> ChoiceOutputParser:
-        options = self.serving.options
-        return ChoiceOutputParser(options.reasoning_parser, tools, options.tool_call_parser)
 
     async def create(self, req: ChatCompletionRequest, http: HTTPRequest) -> Response:
         s = self.serving
@@ -77,7 +73,7 @@ class ChatHandler:
                                    mm_features)
         choices = []
         for c in out.outputs:
-            parser = self.parser(tools)
+            parser = s.output_parser(tools, token_ids)
             parsed = parser.parse(c.text)
             calls = [ToolCallObject(t.id, FunctionCall(t.name, t.arguments)) for t in parsed.tool_calls]
             message = AssistantMessage(parsed.content, tool_calls=calls, reasoning_content=parsed.reasoning)
@@ -102,7 +98,7 @@ class ChatHandler:
         yield chunk([ChatChunkChoice(i, DeltaMessage(role="assistant", content="")) for i in range(req.n)])
         num_completion = 0
         held: dict[int, list] = {}  # per choice: logprobs of tokens whose text is held back, sent with that text
-        parsers = {i: self.parser(tools) for i in range(req.n)}
+        parsers = {i: self.serving.output_parser(tools, token_ids) for i in range(req.n)}
         try:
             async for out in outputs:
                 choices = []

@@ -28,8 +28,11 @@ class ParsedChoice:
 
 
 class ChoiceOutputParser:
-    def __init__(self, reasoning_parser: str | None, tools: ToolRequest | None, tool_call_parser: str | None) -> None:
-        self.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
+    def __init__(self, reasoning_parser: str | None, tools: ToolRequest | None, tool_call_parser: str | None,
+                 prompt_opened_reasoning: bool = False) -> None:
+        """prompt_opened_reasoning: the rendered prompt ends inside the reasoning (see MarkerReasoningParser)."""
+        self.reasoning = (REASONING_PARSERS[reasoning_parser](prompt_opened=prompt_opened_reasoning)
+                          if reasoning_parser else None)
         self.tools = tools.parser(tool_call_parser) if tools is not None else None
         self.single_call = tools is not None and not tools.parallel
         self.named = tools is not None and tools.choice == "function"

@@ -41,7 +41,7 @@ class ServerOptions:
                        "parsed with --tool-call-parser")
         g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the model's tool-call format (hermes: <tool_call>{JSON}</tool_call>, as Qwen and Hermes "
-                       "write them)")
+                       "write them; deepseek_v3 (V3, R1), deepseek_v31, deepseek_v32, deepseek_v4: DeepSeek's)")
         ServerLimits.add_cli_args(p)
 
     @classmethod

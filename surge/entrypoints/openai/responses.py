@@ -10,7 +10,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
 
 from surge.entrypoints.openai import structured
-from surge.entrypoints.openai.choice_output import ChoiceOutputParser, ParsedChoice
+from surge.entrypoints.openai.choice_output import ParsedChoice
 from surge.entrypoints.openai.content import ImagePart, content_text
 from surge.entrypoints.openai.errors import bad_request
 from surge.entrypoints.openai.responses_stream import stream_events
@@ -20,7 +20,7 @@ from surge.entrypoints.openai.protocol import (FunctionCallItem, IncompleteDetai
                                                TokenLogprob)
 from surge.entrypoints.openai.serving import (OpenAIServing, encode, engine_error, now, random_id, shown_logprobs,
                                               token_logprobs)
-from surge.entrypoints.openai.tools import ToolRequest, parse_tools, template_tool_calls
+from surge.entrypoints.openai.tools import parse_tools, template_tool_calls
 from surge.outputs import CompletionOutput
 from surge.sampling_params import SamplingParams
 
@@ -72,10 +72,6 @@ class ResponsesHandler:
             return None
         return {"role": "assistant", "content": "", "tool_calls": [converted]}
 
-    def parser(self, tools: ToolRequest | None) -> ChoiceOutputParser:
-        options = self.serving.options
-        return ChoiceOutputParser(options.reasoning_parser, tools, options.tool_call_parser)
-
     async def create(self, req: ResponsesRequest, http: HTTPRequest) -> Response:
         s = self.serving
         model = s.check_model(req.model)
@@ -103,12 +99,12 @@ class ResponsesHandler:
             except Exception as e:
                 raise engine_error(e, grammar_param) from None
             return StreamingResponse(stream_events(self, req, model, response_id, token_ids, params, outputs,
-                                                   self.parser(tools), grammar_param),
+                                                   s.output_parser(tools, token_ids), grammar_param),
                                      media_type="text/event-stream")
         [out] = await s.run_to_end(http, [(token_ids, params)], response_id, grammar_param, s.lora_request(model),
                                    mm_features)
         c = out.outputs[0]
-        parser = self.parser(tools)
+        parser = s.output_parser(tools, token_ids)
         output = output_items(parser.parse(c.text), _item_status(c.finish_reason), self._logprobs(c, params))
         response = self._response(req, model, response_id, "completed", output)
         self._finish(response, len(token_ids), len(c.token_ids), out.num_cached_tokens, c.finish_reason,

@@ -19,17 +19,20 @@ from surge.engine.async_llm import AsyncLLM, RequestFailedError
 from surge.engine.core_proc import EngineDeadError
 from surge.engine.detokenizer import special_token_ids
 from surge.engine.output_processor import OutputKind
+from surge.entrypoints.openai.choice_output import ChoiceOutputParser
 from surge.entrypoints.openai.content import ImagePart, content_text, load_images
 from surge.entrypoints.openai.errors import APIError, bad_request, internal_error
 from surge.entrypoints.openai.limits import INT64_MAX, INT64_MIN, check_int_range
 from surge.entrypoints.openai.options import ServerOptions
 from surge.entrypoints.openai.protocol import ChatMessage, SamplingFields, TokenLogprob, TopLogprob
-from surge.entrypoints.openai.tools import template_tool_calls
+from surge.entrypoints.openai.tools import ToolRequest, template_tool_calls
 from surge.lora_request import LoRARequest
 from surge.multimodal import MultiModalFeature
 from surge.outputs import CompletionOutput, Logprob, RequestOutput
 from surge.pooling_params import PoolingParams
 from surge.sampling_params import SamplingParams, StructuredOutputsParams
+from surge.structured_output.reasoning import REASONING_MARKERS
+from surge.structured_output.reasoning_gate import prompt_opens_reasoning
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -204,6 +207,14 @@ class OpenAIServing:
             raise bad_request(message.removeprefix("SamplingParams."),
                               param=param.group(1) if param else None) from None
 
+    def output_parser(self, tools: ToolRequest | None, prompt_token_ids: list[int]) -> ChoiceOutputParser:
+        """A new parser of one choice's output (reasoning, tool calls) for a request with this prompt."""
+        name = self.options.reasoning_parser
+        markers = REASONING_MARKERS[name] if name is not None else None
+        opened = markers is not None and markers.prompt_decides and prompt_opens_reasoning(
+            markers, self.tokenizer, prompt_token_ids)
+        return ChoiceOutputParser(name, tools, self.options.tool_call_parser, opened)
+
     # ---- prompts ----
     def image_parts(self) -> list[ImagePart] | None:
         """The list a conversation's image parts go to: a multimodal model's (empty); None when the model takes no
@@ -295,8 +306,10 @@ class OpenAIServing:
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them",
                               param="chat_template_kwargs")
-        template = chat_template if chat_template is not None else self.tokenizer.chat_template
-        read = _template_variables(template) if isinstance(template, str) else frozenset()
+        read = self.engine.input_processor.template_variables(chat_template)
+        if read is None:
+            template = chat_template if chat_template is not None else self.tokenizer.chat_template
+            read = _template_variables(template) if isinstance(template, str) else frozenset()
         return {k: v for k, v in kwargs.items() if k in read}
 
     def check_token_ids(self, token_ids: list, param: str) -> list[int]:

@@ -14,6 +14,7 @@ from surge.entrypoints.openai.reasoning import REASONING_PARSERS
 from surge.entrypoints.openai.tool_parsers import TOOL_PARSERS, merge_calls
 from surge.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from surge.entrypoints.openai.tools import parse_tools
+from surge.structured_output.reasoning import REASONING_MARKERS
 
 CALLS = [("get_weather", {"city": "Paris", "units": ["c", {"nested": "}]\"{"}]}), ("noop", {}),
          ("sum", {"xs": [1, 2.5, -3e2], "ok": True, "none": None})]
@@ -102,21 +103,29 @@ REASONING = "Let me think: 2 + 2 < 5, so </thi... no, it is four."
 
 
 @settings(max_examples=100, deadline=None)
-@given(data=st.data(), name=st.sampled_from(sorted(REASONING_PARSERS)), opened=st.booleans())
-def test_reasoning_split_equals_partition(data, name, opened):
+@given(data=st.data(), name=st.sampled_from(sorted(REASONING_PARSERS)), opened=st.booleans(),
+       prompt_opened=st.booleans())
+def test_reasoning_split_equals_partition(data, name, opened, prompt_opened):
+    """opened: the output opens with <think>; prompt_opened: the prompt ends inside the reasoning (read only by the
+    parsers whose template decides in the prompt, DeepSeek V3.1 / V4)."""
     text = ("<think>" if opened else "") + REASONING + "</think>\n\nThe answer is 4."
     bounds = sorted(set(data.draw(cuts_of(len(text)))) | {0, len(text)})
-    parser = REASONING_PARSERS[name]()
+    markers = REASONING_MARKERS[name]
+    parser = REASONING_PARSERS[name](prompt_opened=prompt_opened and markers.prompt_decides)
     reasoning = content = ""
     for a, b in zip(bounds, bounds[1:]):
         r, c = parser.feed(text[a:b])
         reasoning, content = reasoning + r, content + c
     r, c = parser.feed("", final=True)
     reasoning, content = reasoning + r, content + c
-    if opened or name == "deepseek_r1":  # DeepSeek-R1's template opens the reasoning in the prompt
+    if markers.prompt_decides:  # the prompt ended in <think> (thinking mode) or </think> (chat mode)
+        inside = prompt_opened
+    else:  # DeepSeek-R1's template opens the reasoning in the prompt; Qwen3's output opens it
+        inside = opened or markers.starts_inside
+    if inside:
         before, _, after = text.removeprefix("<think>").partition("</think>")
         assert (reasoning, content) == (before, after.lstrip())
-    else:  # Qwen3 without <think>: thinking is off, all of it is the answer
+    else:  # thinking is off: all of it is the answer
         assert (reasoning, content) == ("", text)
 
 

@@ -4,6 +4,7 @@ JSON, no name) is given back as text, as the model wrote it."""
 from __future__ import annotations
 
 from surge.entrypoints.openai.markers import held_back
+from surge.entrypoints.openai.tool_parsers.answer import AnswerText
 from surge.entrypoints.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, tool_call_id
 from surge.entrypoints.openai.tool_parsers.json_call import JsonCallScanner
 
@@ -13,12 +14,11 @@ START, END = "<tool_call>", "</tool_call>"
 class HermesToolParser:
     def __init__(self) -> None:
         self.pending = ""  # text not classified yet
-        self.blanks = ""  # blanks of the answer held back: dropped next to a call, else given out before more text
+        self.answer = AnswerText()
         self.in_call = False
         self.region = ""  # raw text of the call being read, given back as text if it never names a function
         self.scanner: JsonCallScanner | None = None
         self.num_calls = 0
-        self.after_call = False  # no answer text since the last call closed
 
     def feed(self, text: str, final: bool = False) -> ParsedDelta:
         out = ParsedDelta()
@@ -28,14 +28,13 @@ class HermesToolParser:
                 found = buf.find(START)
                 if found < 0:
                     keep = 0 if final else held_back(buf, START)
-                    self._content(out, buf[:len(buf) - keep])
+                    self.answer.add(out, buf[:len(buf) - keep])
                     buf = buf[len(buf) - keep:]
                     break
-                self._content(out, buf[:found])
+                self.answer.add(out, buf[:found])
                 buf = buf[found + len(START):]
                 # Blanks before a call are not part of the answer, unless the call turns out not to be one.
-                self.in_call, self.region, self.scanner = True, self.blanks + START, JsonCallScanner()
-                self.blanks = ""
+                self.in_call, self.region, self.scanner = True, self.answer.call_starts() + START, JsonCallScanner()
             else:
                 found = buf.find(END)
                 keep = 0 if final or found >= 0 else held_back(buf, END)
@@ -52,19 +51,8 @@ class HermesToolParser:
         if final:
             if self.in_call:
                 self._close_call(out, "")
-            self.blanks = ""
+            self.answer.finish()
         return out
-
-    def _content(self, out: ParsedDelta, text: str) -> None:
-        if self.after_call:
-            text = text.lstrip()  # blanks right after a call separate calls; they are not an answer
-        body = text.rstrip()
-        if body:
-            out.content += self.blanks + body
-            self.blanks = text[len(body):]
-            self.after_call = False
-        else:
-            self.blanks += text
 
     def _call(self, out: ParsedDelta) -> None:
         s = self.scanner
@@ -85,7 +73,7 @@ class HermesToolParser:
             if not s.arguments_sent:
                 out.tool_calls.append(ToolCallDelta(self.num_calls, arguments="{}"))
             self.num_calls += 1
-            self.after_call = True
+            self.answer.after_call = True
         else:
-            self._content(out, self.region + end)  # not a call after all
+            self.answer.add(out, self.region + end)  # not a call after all
         self.in_call, self.region, self.scanner = False, "", None
