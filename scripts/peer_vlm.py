@@ -3,9 +3,12 @@ and TPOT at each concurrency, for the figures beside Surge's (scripts/h200 stage
 
 vLLM runs in-process (AsyncLLM, no HTTP): each request goes the way vLLM's OpenAI server takes a chat request, its
 renderer (the model's chat template, the base64 JPEG decoded, the HF processor in its thread pool), then
-`AsyncLLM.generate` with output deltas. So vLLM's TTFT lacks the HTTP and SSE costs that Surge's (measured by the
-HTTP client) includes: a few milliseconds in vLLM's favour. `--path prompt` instead hands AsyncLLM the rendered text and
-the decoded image (`multi_modal_data`), processed on the event loop, as offline `LLM.generate` would.
+`AsyncLLM.generate` with output deltas, under the server's defaults (its usage context). So vLLM's TTFT lacks the
+HTTP and SSE costs that Surge's (measured by the HTTP client) includes: a few milliseconds in vLLM's favour. Its
+prompt is one token shorter than Surge's: Qwen's template puts the image right after the text, Surge's renderer a
+newline between parts. `--path prompt` instead hands AsyncLLM the rendered text and the decoded image
+(`multi_modal_data`), processed on the event loop, as offline `LLM.generate` would. vLLM's Qwen2.5-VL path loads
+transformers' Qwen2_5_VLProcessor, which needs torchvision (checked first: without it the script says so and exits 3).
 
 The workload is `surge bench serve`'s (same algorithm and seed: tests/bench/test_peer_vlm.py checks prompts and image
 pixels equal): per request `--input-len` random common words, then `--images-per-prompt` random images (JPEG, quality
@@ -96,7 +99,8 @@ async def one_request(engine, path: str, text: str, images: list[bytes], n_out: 
     start = time.perf_counter()
     if path == "chat":
         from vllm.renderers import ChatParams
-        _, (prompt,) = await engine.renderer.render_chat_async([chat_messages(text, images)], ChatParams())
+        chat = ChatParams(chat_template_kwargs={"add_generation_prompt": True})  # as a request's default
+        _, (prompt,) = await engine.renderer.render_chat_async([chat_messages(text, images)], chat)
     else:
         from PIL import Image
         tokenizer = engine.renderer.get_tokenizer()
@@ -140,13 +144,20 @@ async def run_level(engine, args, concurrency: int, num_prompts: int) -> dict:
 
 async def main_async(args) -> list[dict]:
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
     t0 = time.perf_counter()
+    limits = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
+                                ("max_num_seqs", args.max_num_seqs)) if v is not None}
+    # The server's usage context: its defaults for the step's token budget and batch (8192 and 1024 on an H200).
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=args.model_dir, load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, seed=0, disable_log_stats=True,
-        limit_mm_per_prompt={"image": args.images_per_prompt, "video": 0}))
-    print(f"vllm vlm: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        limit_mm_per_prompt={"image": args.images_per_prompt, "video": 0}, **limits),
+        usage_context=UsageContext.OPENAI_API_SERVER)
+    sc = engine.vllm_config.scheduler_config
+    print(f"vllm vlm: engine ready in {time.perf_counter() - t0:.1f} s (max_num_batched_tokens "
+          f"{sc.max_num_batched_tokens}, max_num_seqs {sc.max_num_seqs})", flush=True)
     try:
         (text, images, _), = make_requests(1, args.input_len, 2, args.image_size, args.images_per_prompt,
                                            seed=args.seed)
@@ -156,8 +167,8 @@ async def main_async(args) -> list[dict]:
         for concurrency, num_prompts in zip(args.concurrency, args.num_prompts):
             r = await run_level(engine, args, concurrency, num_prompts)
             reports.append(r)
-            print(f"vllm vlm: concurrency {concurrency:3d}, {num_prompts} requests ({r['mean_prompt_tokens']:.0f} prompt "
-                  f"tokens each, {args.images_per_prompt} x {args.image_size[0]}x{args.image_size[1]} image): "
+            print(f"vllm vlm: concurrency {concurrency:3d}, {num_prompts} requests ({r['mean_prompt_tokens']:.0f} "
+                  f"prompt tokens each, {args.images_per_prompt} x {args.image_size[0]}x{args.image_size[1]} image): "
                   f"{r['image_throughput']:.2f} images/s, {r['output_throughput']:.1f} output tok/s | TTFT p50 "
                   f"{r['ttft']['p50_ms']:.1f} ms p99 {r['ttft']['p99_ms']:.1f} ms | TPOT p50 {r['tpot']['p50_ms']:.2f} "
                   f"ms" + (f" | {r['output_len_mismatches']} output length mismatches"
@@ -179,6 +190,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's server's")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's server's")
     p.add_argument("--path", choices=["chat", "prompt"], default="chat",
                    help="chat: vLLM's server path (renderer); prompt: text + multi_modal_data")
     p.add_argument("--result-json", default=None)
@@ -194,6 +207,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    try:  # before vLLM starts: its Qwen2-VL path loads transformers' processor, whose video half needs torchvision
+        import torchvision  # noqa: F401
+    except Exception as e:  # absent, or built for another torch (then not an ImportError)
+        print("vllm vlm: not run: vLLM's Qwen2.5-VL path loads transformers' Qwen2_5_VLProcessor, whose video "
+              f"processor needs torchvision ({type(e).__name__}: {str(e)[:200]}); carry a torchvision wheel built "
+              "for this torch in .whl/ (scripts/h200's vlm-peer installs it beside vLLM)", flush=True)
+        return 3
     reports = asyncio.run(main_async(args))
     if args.result_json:
         with open(args.result_json, "w") as f:

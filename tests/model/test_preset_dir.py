@@ -26,8 +26,8 @@ RELEASED_IDS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_e
 # Its preprocessor_config.json, value for value.
 RELEASED_PROCESSOR = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
                       "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                      "image_std": [0.26862954, 0.26130258, 0.27577711], "image_processor_type": "Qwen2VLImageProcessor",
-                      "processor_class": "Qwen2_5_VLProcessor"}
+                      "image_std": [0.26862954, 0.26130258, 0.27577711],
+                      "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}
 # A 1024x1024 image: each side rounded to a multiple of 28 (patch 14 x merge 2): 1036 = 37 x 28, so 74 x 74 patches
 # of 14 pixels, 2x2 of them per token.
 GRID, IMAGE_TOKENS = (1, 74, 74), 74 * 74 // 4
