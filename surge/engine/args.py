@@ -360,7 +360,8 @@ class EngineArgs:
             from surge.model.loader.default_model import default_model_path  # converts the GGUF on first use
             model = default_model_path()
         model_config = read_model_config(model, self.dtype, device, self.max_model_len, self.runner,
-                                         self._user_pooler_config(), _json_object(self.hf_overrides, "hf_overrides"))
+                                         self._user_pooler_config(), _json_object(self.hf_overrides, "hf_overrides"),
+                                         weights=self.load_format != "dummy")
         if self.pooler_config is not None and model_config.runner != "pooling":
             raise ValueError(f"pooler_config={self.pooler_config!r} is for the pooling runner; this model runs with "
                              f"runner={model_config.runner!r} (pass runner='pooling', --runner pooling)")
@@ -410,17 +411,20 @@ def _json_object(value: str | dict | None, name: str) -> dict:
 
 def read_model_config(model: str | Path, dtype: str | torch.dtype, device: torch.device,
                       max_model_len: int | None = None, runner: str = "auto",
-                      pooler_config: PoolerConfig | None = None, hf_overrides: dict | None = None) -> ModelConfig:
+                      pooler_config: PoolerConfig | None = None, hf_overrides: dict | None = None,
+                      weights: bool = True) -> ModelConfig:
     """The ModelConfig of an HF-format directory: config.json (hf_overrides merged over it), generation_config.json,
-    and *.safetensors present. The pooling runner's pooler: the sentence-transformers files', then pooler_config's
-    fields over it."""
+    and *.safetensors present unless `weights` is False (load_format dummy: a directory of config and tokenizer files
+    serves with random weights, as `surge preset-dir` writes one). The pooling runner's pooler: the
+    sentence-transformers files', then pooler_config's fields over it."""
     path = Path(model)
     if not path.is_dir():
         raise ValueError(f"model={str(model)!r}: not a directory; expected an HF-format model directory "
                          "(config.json, *.safetensors, tokenizer files). Models are never fetched from a hub.")
     cfg = read_json_object(path / "config.json", f"model={str(model)!r}")
-    if not any(path.glob("*.safetensors")):
-        raise ValueError(f"model={str(model)!r}: no *.safetensors weight files found")
+    if weights and not any(path.glob("*.safetensors")):
+        raise ValueError(f"model={str(model)!r}: no *.safetensors weight files found (load_format 'dummy' serves a "
+                         "directory without weights)")
     gen = path / "generation_config.json"
     gen_cfg = json.loads(gen.read_text()) if gen.is_file() else {}
     cfg = {**cfg, **(hf_overrides or {})}

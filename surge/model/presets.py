@@ -96,6 +96,15 @@ _QWEN2_5_VL_7B = dict(
                        window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
                        temporal_patch_size=2))
 
+# Qwen2.5-VL-7B's layout, token ids and vision geometry (14-pixel patches merged 2x2, temporal patch 2, 112-pixel
+# windows) at toy widths: the real processor's image token counts on a model that runs on a CPU in seconds.
+_TINY_QWEN2_5_VL = dict(
+    _QWEN2_5_VL_7B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=4096, max_window_layers=2,
+    rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+    vision_config=dict(_QWEN2_5_VL_7B["vision_config"], depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                       out_hidden_size=64, fullatt_block_indexes=[1]))
+
 # google/gemma-3-4b-it's config.json (the text config's other fields are Gemma3TextConfig's defaults: 8 heads, 4 KV
 # heads of 256, 5 sliding-window layers (1024) to each global one): 4.3B parameters, a 27-layer SigLIP of 0.42B over
 # 896x896 images (64x64 patches, pooled to 256 tokens per image).
@@ -160,6 +169,7 @@ PRESETS: dict[str, dict] = {
     "tiny-llama": _TINY,
     "tiny-qwen3-hybrid": _TINY_HYBRID,
     "tiny-qwen3-moe": _TINY_MOE,
+    "tiny-qwen2.5-vl": _TINY_QWEN2_5_VL,
 }
 
 

@@ -1,4 +1,4 @@
-"""The `surge` command: serve, generate, chat, model-path, bench, weight-cache, kv-store.
+"""The `surge` command: serve, generate, chat, model-path, preset-dir, bench, weight-cache, kv-store.
 
 Heavy imports (torch, transformers) happen inside the subcommands, so `surge --help` answers at once.
 """
@@ -15,6 +15,12 @@ from surge.entrypoints.cli.args import add_sampling_args, sampling_params
 def cmd_model_path(args: argparse.Namespace) -> int:
     from surge.model.loader.default_model import default_model_path
     print(default_model_path())
+    return 0
+
+
+def cmd_preset_dir(args: argparse.Namespace) -> int:
+    from surge.model.loader.preset_dir import write_preset_dir
+    print(write_preset_dir(args.preset, args.out_dir))
     return 0
 
 
@@ -186,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("model-path", help="print the default model's directory (preparing it if needed)")
     p.set_defaults(func=cmd_model_path)
+
+    p = sub.add_parser("preset-dir", help="write a vision-language preset as a model directory without weights (its "
+                       "config, image processor and a synthetic tokenizer with its special tokens and chat template),"
+                       " to serve with --load-format dummy")
+    p.add_argument("preset", help="e.g. qwen2.5-vl-7b")
+    p.add_argument("out_dir", help="the directory to write (one this command wrote before is replaced)")
+    p.set_defaults(func=cmd_preset_dir)
 
     p = sub.add_parser("generate", help="complete prompts")
     p.add_argument("prompt", nargs="*", help="prompts (default: one per line on stdin)")
