@@ -41,8 +41,8 @@ import triton.language as tl
 MAX_ROWS = 4  # the W4A16 methods use this kernel up to here; int_gemm's tensor-core tiles beyond
 MAX_M = 16  # the kernel's own limit (registers grow with M)
 MAX_SPLIT_K = 8
-WORDS_PER_STEP = 128  # 512 bytes of each row per K step
-WORDS_PER_THREAD = 16  # 4 x 16-byte loads per thread per step at M = 1
+X_SLICE = 64  # x values of one slice a K step (M padded x words a row): fewer than a program's 128 threads
+WORDS_PER_THREAD = 16  # 4 x 16-byte loads per thread per step
 H200_SMS = 132
 _COUNTERS = 1 << 16  # split-K arrival counters per device (column blocks of one split GEMV)
 
@@ -75,11 +75,13 @@ def chunk_words_for(k: int, group_size: int, bits: int) -> int:
 
 
 def launch_policy(m: int, n: int, k: int, group_size: int, bits: int = 4, num_sms: int = H200_SMS) -> IntGemvLaunch:
-    """Pure function of the shapes (m: a CUDA graph's capture size under graphs). K steps of WORDS_PER_STEP words a
-    row (fewer for a short K) in group-aligned chunks; BLOCK_N rows so that each of 4 warps' threads holds about
-    WORDS_PER_THREAD words a step (each thread then uses one strided x load for several rows), divided by M (the
-    accumulators grow with it); K split in powers of two while the column blocks are fewer than the SMs, each split
-    keeping at least 4 K steps."""
+    """Pure function of the shapes (m: a CUDA graph's capture size under graphs). K steps of X_SLICE / M words a
+    row (at least 16; fewer for a short K) in group-aligned chunks: an x slice then has fewer values than the program
+    has threads, which Triton's layout pass counts as cheap to load straight into the weights' layout (a larger one
+    it loads once and redistributes through shared memory, eight times a step). BLOCK_N rows so that each of 4 warps'
+    threads holds WORDS_PER_THREAD words a step (at M = 1: 4 rows, each strided x load serving all 4). K split in
+    powers of two while the column blocks are fewer than the SMs, each split keeping at least 4 K steps. To be
+    confirmed on the H200 by `bench kernels --only int4`'s sweep."""
     for name, value in (("m", m), ("n", n), ("k", k), ("group_size", group_size)):
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
@@ -89,9 +91,10 @@ def launch_policy(m: int, n: int, k: int, group_size: int, bits: int = 4, num_sm
         raise ValueError(f"m={m}: the int GEMV takes up to {MAX_M} rows")
     per_word = 32 // bits
     chunk = chunk_words_for(k, group_size, bits)
-    block_words = max(chunk, min(WORDS_PER_STEP, triton.next_power_of_2(triton.cdiv(k, per_word))))
+    m_pad = triton.next_power_of_2(m)
+    block_words = max(chunk, min(max(16, X_SLICE // m_pad), triton.next_power_of_2(triton.cdiv(k, per_word))))
     num_warps = 4
-    rows = WORDS_PER_THREAD * 32 * num_warps // block_words // triton.next_power_of_2(m)
+    rows = WORDS_PER_THREAD * 32 * num_warps // block_words // m_pad
     block_n = max(1, min(rows, triton.next_power_of_2(n)))
     programs, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_words * per_word)
     split = 1
@@ -108,14 +111,14 @@ def _num_sms(device: torch.device) -> int:
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed split-K counters, made once (outside a CUDA graph capture: the first call of a split GEMV
-    is eager warm-up); every split GEMV leaves them zero again."""
+def _arrival_counters(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed split-K counters, made once outside any CUDA graph capture (a graph's memset would zero
+    them only when that graph replays); every split GEMV leaves them zero again. None while capturing before they
+    exist: that GEMV runs unsplit (same result; the engine's warm-up normally makes them first)."""
     counters = _counters.get(device)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("int_gemv's split-K counters must be made before CUDA graph capture (run the GEMV "
-                               "once eagerly first)")
+            return None
         counters = _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
     return counters
 
@@ -228,15 +231,15 @@ def int_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.T
         launch = launch_policy(m, n, k, group_size, bits, _num_sms(x.device))
     elif launch.chunk_words > chunk_words_for(k, group_size, bits):
         raise ValueError(f"{launch}: chunks of {launch.chunk_words} words straddle groups of {group_size}")
-    block_k = launch.block_words * (32 // bits)
-    k_per_split = triton.cdiv(triton.cdiv(k, block_k), launch.split_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)  # every split non-empty
     column_blocks = triton.cdiv(n, launch.block_n)
+    if launch.split_k > 1 and column_blocks > _COUNTERS:
+        raise ValueError(f"{launch}: {column_blocks} column blocks exceed the {_COUNTERS} split-K counters")
+    counters = _arrival_counters(x.device) if launch.split_k > 1 else None
+    block_k = launch.block_words * (32 // bits)
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), launch.split_k if counters is not None else 1) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # every split non-empty
     if split_k > 1:
-        if column_blocks > _COUNTERS:
-            raise ValueError(f"{launch}: {column_blocks} column blocks exceed the {_COUNTERS} split-K counters")
-        partial, counters = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device), \
-            _arrival_counters(x.device)
+        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     else:
         partial = counters = out  # never read
     weight_packed, weight_scale = weight_packed.contiguous(), weight_scale.contiguous()

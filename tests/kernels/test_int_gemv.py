@@ -122,23 +122,28 @@ def test_chunks_lie_in_one_group():
 
 
 def test_launch_policy_boundaries():
-    # Qwen3-8B at batch 1: 128 words (512 bytes) of 16 rows a step, 16 words a thread; no split (256+ blocks).
+    # Qwen3-8B's o_proj at batch 1: 64 words (256 bytes) of 32 rows a step, 16 words a thread; 128 column blocks,
+    # fewer than the SMs: K split in 2.
     policy = launch_policy(1, 4096, 4096, 128)
-    assert policy == IntGemvLaunch(16, 8, 16, 1, 4, 1) and policy.block_words == 128
-    assert launch_policy(1, 4096, 4096, 32) == IntGemvLaunch(16, 32, 4, 1, 4, 1)
-    # BLOCK_N: a power of two covering N up to 16 rows (N / N + 1), divided by M padded to a power of two.
-    assert launch_policy(1, 8, 4096, 128).block_n == 8 and launch_policy(1, 9, 4096, 128).block_n == 16
-    assert [launch_policy(m, 4096, 4096, 128).block_n for m in (1, 2, 3, MAX_ROWS, MAX_ROWS + 1)] == [16, 8, 4, 4, 2]
-    assert launch_policy(MAX_M, 4096, 4096, 128).block_n == 1
+    assert policy == IntGemvLaunch(32, 4, 16, 2, 4, 1) and policy.block_words == 64
+    assert launch_policy(1, 4096, 4096, 32) == IntGemvLaunch(32, 16, 4, 2, 4, 1)
+    assert launch_policy(1, 24576, 4096, 128).split_k == 1  # gate_up: 768 column blocks
+    # Steps of 64 / M words (at least 16): M x words stays 64; BLOCK_N 32 until M = 4, then halving.
+    assert [launch_policy(m, 4096, 4096, 128).block_words for m in (1, 2, 3, MAX_ROWS, MAX_ROWS + 1)] == \
+        [64, 32, 16, 16, 16]
+    assert [launch_policy(m, 4096, 4096, 128).block_n for m in (1, 2, MAX_ROWS, MAX_ROWS + 1, MAX_M)] == \
+        [32, 32, 32, 16, 8]
     with pytest.raises(ValueError, match="m=17"):
         launch_policy(MAX_M + 1, 4096, 4096, 128)
+    # BLOCK_N: a power of two covering N, up to 32 rows (N / N + 1).
+    assert launch_policy(1, 16, 4096, 128).block_n == 16 and launch_policy(1, 17, 4096, 128).block_n == 32
     # A short K takes a narrower step: 256 values are 32 words, two chunks of 16.
     assert launch_policy(1, 64, 256, 128).block_words == 32 and launch_policy(1, 64, 256, 128).chunks == 2
-    # Split K while the column blocks are fewer than the SMs (131 * 16 = 2096 rows: 131 blocks; 2097: 132), each
-    # split keeping 4 steps of 1024 values (8192 = 8 steps: 2 splits; 7168: 7 steps, none).
-    assert launch_policy(1, 2096, 8192, 128, num_sms=132).split_k == 2
-    assert launch_policy(1, 2097, 8192, 128, num_sms=132).split_k == 1
-    assert launch_policy(1, 2096, 7168, 128, num_sms=132).split_k == 1
+    # Split K while the column blocks are fewer than the SMs (131 * 32 = 4192 rows: 131 blocks; 4193: 132), each
+    # split keeping 4 steps of 512 values (4096 = 8 steps: 2 splits; 3584: 7 steps, none).
+    assert launch_policy(1, 4192, 8192, 128, num_sms=132).split_k == 2
+    assert launch_policy(1, 4193, 8192, 128, num_sms=132).split_k == 1
+    assert launch_policy(1, 4192, 3584, 128, num_sms=132).split_k == 1
     assert launch_policy(1, 64, 1 << 20, 128).split_k == 8  # MAX_SPLIT_K
     with pytest.raises(ValueError, match="bits=2"):
         launch_policy(1, 64, 4096, 128, bits=2)
