@@ -22,9 +22,9 @@ SHAPES = {"qkv": ((HQ + 2 * HKV) * HEAD_DIM, HIDDEN), "o": (HIDDEN, HQ * HEAD_DI
 def _sweep():
     from surge.kernels.int_gemv import IntGemvLaunch
 
-    for block_n, words, stages, split in itertools.product((4, 8, 16, 32), (64, 128, 256), (1, 2, 3), (1, 2)):
+    for block_n, words, stages, split in itertools.product((8, 16, 32, 64), (32, 64, 128), (1, 2, 3), (1, 2)):
         yield IntGemvLaunch(block_n, words // 16, 16, split, 4, stages)
-    for block_n, words in itertools.product((16, 32, 64), (128, 256)):
+    for block_n, words in itertools.product((32, 64), (64, 128)):  # 8 warps: x slices of 64 / 128 stay "cheap"
         yield IntGemvLaunch(block_n, words // 16, 16, 1, 8, 1)
 
 
