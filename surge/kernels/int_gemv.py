@@ -22,7 +22,10 @@ Tiles: a program owns BLOCK_N output rows and a K range (its split); each step l
 tile of words, CHUNKS * CHUNK_WORDS contiguous words of each row (16 bytes per thread), each chunk within one group
 (one scale and zero per row and chunk). Value j of word w multiplies x[8w + j] (4-bit): each K step loads x in 8
 strided slices (from L1: K * 2 bytes shared by every program), each used for the BLOCK_N / (rows of a warp) rows a
-thread holds. Act-order reads x[perm[k]] instead.
+thread holds. Act-order reads x[perm[k]] instead. The canonical layout is read as stored, with no repack at load
+(int_gemm, the CPU path and the weight cache share it): its one cost is these strided x slices; should the H200
+sweep show them binding, a load-time interleave (value j of word w holding K = j * P + w of a P-word block) would make
+each slice contiguous, at the price of int_gemm and the CPU dequantization reading that layout too.
 
 Split K (few rows: not enough programs to keep the SMs' loads in flight): each split writes a float32 partial; the
 last split of a column block to finish (an arrival counter, reset by it) sums the partials in split order, adds the
