@@ -713,7 +713,8 @@ def check_wo_gemm(batches: tuple[int, ...] = (1, 8, 16, 32, 64, 128)) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes")
-    parser.add_argument("--only", choices=["layers", "attention", "mla", "sampling", "moe", "quant", "gemv", "wo"],
+    parser.add_argument("--only", choices=["layers", "attention", "mla", "sampling", "moe", "quant", "int4", "gemv",
+                                           "wo"],
                         help="one group of kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -735,6 +736,9 @@ def main() -> None:
         check_quant((1, 16, 4096) if args.quick else (1, 16, 256, 4096))
         check_fused_quant((1, 64, 4096) if args.quick else (1, 16, 64, 256, 4096))
         check_moe_quant()
+    if args.only in (None, "int4"):
+        from surge.bench.kernels_int4 import check_int4
+        check_int4(args.quick, bench, report, max_err)
     if args.only in (None, "gemv"):
         check_gemv()
     if args.only in (None, "wo"):

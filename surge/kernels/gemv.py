@@ -12,7 +12,8 @@ enough bytes are in flight to cover the memory latency), the whole K streamed in
 columns, at least 128. Measured on the H200 at M = 1 over Qwen3-8B's layers (bench kernels --only gemv): 8 x 512
 read 1.4-1.8 TB/s, 8 x 1024 2.0-2.6 TB/s (16 x 1024 for q/k/v 2.3), bf16 cuBLAS 3.2-4.0 TB/s of its twice larger
 weight: the fp8 GEMV takes 77-79% of bf16's time. (A packed-int4 GEMV of the same shape read ~0.4 TB/s, no better
-than int4_gemm.int_gemm's split-K tiles at 0.38-0.53 TB/s, and was dropped: unpacking, not memory, bounds both.) Each step loads a
+than int4_gemm.int_gemm's split-K tiles at 0.38-0.53 TB/s, and was dropped: unpacking, not memory, bounds both;
+surge/kernels/int_gemv.py unpacks with one LOP3 and one FADD a value instead.) Each step loads a
 [BLOCK_N, BLOCK_K] fp8 tile (BLOCK_K bytes contiguous per row), its block scales where they apply, and the
 [M_PAD, BLOCK_K] activations, and reduces their product over K in float32.
 """

@@ -225,10 +225,11 @@ def test_launch_policy_boundaries():
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq-act-order"])
 def test_awq_gptq_layers_feed_the_int_gemm(fmt):
-    """The AWQ / GPTQ linear methods convert checkpoint tensors as they load into what the kernel reads: on a loaded
-    layer's parameters (qweight, scales, qzeros, g_idx's permutation) the kernel computes x @ W.T, as the layer's CPU
-    path does. The GPTQ qweight arrives before its g_idx, and waits for it."""
+    """The AWQ / GPTQ linear methods convert checkpoint tensors as they load into what the kernels read: on a loaded
+    layer's parameters (qweight, scales, qzeros, g_idx's permutation) int_gemm and the decode GEMV compute x @ W.T, as
+    the layer's CPU path does. The GPTQ qweight arrives before its g_idx, and waits for it."""
     from surge.kernels.int4_gemm import int_gemm
+    from surge.kernels.int_gemv import int_gemv
     from surge.model.layers.linear import Linear, deferred_weights
     from surge.model.quant.awq import AWQLinearMethod
     from surge.model.quant.gptq import GPTQLinearMethod
@@ -257,3 +258,7 @@ def test_awq_gptq_layers_feed_the_int_gemm(fmt):
     got = int_gemm(x, layer.qweight, layer.scales, bits=4, group_size=group, zero_point=layer.qzeros,
                    input_perm=method._input_perm(layer))
     torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-5)
+    for rows in (1, 4):  # the decode GEMV (surge/kernels/int_gemv.py) reads the same parameters
+        got = int_gemv(x[:rows], layer.qweight, layer.scales, bits=4, group_size=group, zero_point=layer.qzeros,
+                       input_perm=method._input_perm(layer))
+        torch.testing.assert_close(got, x[:rows] @ w.t(), rtol=1e-5, atol=1e-5)

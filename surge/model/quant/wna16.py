@@ -5,7 +5,8 @@ into as they load:
   each stored as q + 2^(bits - 1) (unsigned);
 - `weight_scale` [N, K / group] in the activations' dtype ([N, 1] per channel);
 - `weight_zero_point` int32 [N * bits / 32, K / group], packed along N the same way (asymmetric schemes only).
-w = (q - zero) * scale. CUDA: the int4/int8 GEMM (surge/kernels/int4_gemm.py), dequantizing in registers;
+w = (q - zero) * scale. CUDA: the int GEMV (surge/kernels/int_gemv.py) for decode's few rows, the int4/int8 GEMM
+(surge/kernels/int4_gemm.py) beyond, both dequantizing in registers;
 elsewhere the weight is dequantized once into a cached copy and the ordinary GEMM runs.
 """
 from __future__ import annotations
@@ -111,13 +112,9 @@ class WNA16LinearMethod(LinearMethod):
         layer.weight_zero_point.data.copy_(pack_int32(zero.t(), self.bits).t())
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        packed, scale = getattr(layer, self.packed_name), getattr(layer, self.scale_name)
         if x.is_cuda:
-            group = self.group_size or layer.in_features
-            perm = self._input_perm(layer)
-            from surge.kernels.int4_gemm import int_gemm
-            return int_gemm(x, packed, scale, bits=self.bits, group_size=group, zero_point=self._zero_point(layer),
-                            input_perm=perm, bias=bias)
+            return self.cuda_gemm(layer, x, bias)
+        packed, scale = getattr(layer, self.packed_name), getattr(layer, self.scale_name)
         from surge.model.layers.gemm import linear
         key = (packed.data_ptr(), packed._version, scale._version)
         cached = layer.__dict__.get("_wna16_dense")
@@ -125,6 +122,16 @@ class WNA16LinearMethod(LinearMethod):
             with torch.inference_mode(False):  # a tensor with a version counter, for the GEMM's packed copy
                 cached = layer.__dict__["_wna16_dense"] = (key, self._dense_in_input_order(layer))
         return linear(x, cached[1], bias, owner=layer)
+
+    def cuda_gemm(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The int kernels on the packed weight: the GEMV (int_gemv.py) up to its MAX_ROWS rows of x (decode: it
+        streams the weight at several times int_gemm's rate there), int_gemm's tensor-core tiles beyond."""
+        from surge.kernels.int4_gemm import int_gemm
+        from surge.kernels.int_gemv import MAX_ROWS, int_gemv
+        packed, scale = getattr(layer, self.packed_name), getattr(layer, self.scale_name)
+        kernel = int_gemv if x.numel() <= MAX_ROWS * x.shape[-1] else int_gemm
+        return kernel(x, packed, scale, bits=self.bits, group_size=self.group_size or layer.in_features,
+                      zero_point=self._zero_point(layer), input_perm=self._input_perm(layer), bias=bias)
 
     def _dense_in_input_order(self, layer) -> torch.Tensor:
         dense, perm = self.dense_weight(layer), self._input_perm(layer)
