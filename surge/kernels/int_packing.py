@@ -52,15 +52,19 @@ def unpack_awq(packed: torch.Tensor, columns: int) -> torch.Tensor:
     return by_column.flatten(-2)[..., :columns]
 
 
+def repack_awq_qweight(qweight: torch.Tensor, columns: int) -> torch.Tensor:
+    """AutoAWQ qweight int32 [K, N / 8] (N = columns) -> the canonical weight_packed int32 [N, K / 8]."""
+    return pack_int32(unpack_awq(qweight, columns).t(), 4)
+
+
 def awq_to_canonical(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torch.Tensor,
                      group_size: int) -> PackedIntWeight:
     """AutoAWQ GEMM (4-bit): qweight int32 [K, N / 8] and qzeros int32 [K / group, N / 8] packed along N in
     AWQ_PACK_ORDER, scales [K / group, N]; W[n, k] = (w - z) * s with unsigned w and z. No zeros (zero_point false
     in the config): symmetric around 8."""
     in_features, out_features = qweight.shape[0], scales.shape[1]
-    u = unpack_awq(qweight, out_features)  # [K, N]
     zero = None if qzeros is None else unpack_awq(qzeros, out_features).t().contiguous()
-    return PackedIntWeight(pack_int32(u.t(), 4), scales.t().contiguous(), zero, None, 4,
+    return PackedIntWeight(repack_awq_qweight(qweight, out_features), scales.t().contiguous(), zero, None, 4,
                            group_size if group_size > 0 else in_features)
 
 
@@ -76,16 +80,22 @@ def gptq_to_canonical(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch
     x[:, perm] (a gather of x's columns inside the kernel, no extra pass). y = x[:, perm] @ W[:, perm].T = x @ W.T.
     Under tensor parallelism a row-parallel layer's shard must be sorted within the shard (its own perm)."""
     _check_bits(bits)
-    per_word = 32 // bits
-    in_features, out_features = qweight.shape[0] * per_word, qweight.shape[1]
+    in_features, out_features = qweight.shape[0] * (32 // bits), qweight.shape[1]
     if group_size <= 0:
         group_size = in_features
-    u = unpack_int32(qweight.t(), bits, in_features)  # [N, K]
     zero = unpack_gptq_zeros(qzeros, bits, out_features, v1_zeros)
     perm = None if g_idx is None else act_order_perm(g_idx, group_size)
-    if perm is not None:
-        u = u[:, perm.long()]
-    return PackedIntWeight(pack_int32(u, bits), scales.t().contiguous(), zero, perm, bits, group_size)
+    weight = repack_gptq_qweight(qweight, bits, perm).contiguous()
+    return PackedIntWeight(weight, scales.t().contiguous(), zero, perm, bits, group_size)
+
+
+def repack_gptq_qweight(qweight: torch.Tensor, bits: int, perm: torch.Tensor | None) -> torch.Tensor:
+    """GPTQ qweight int32 [K * bits / 32, N] -> the canonical weight_packed [N, K * bits / 32]: packed along K as it
+    is (a transposed view), or, with act-order's perm, its columns in perm's order."""
+    if perm is None:
+        return qweight.t()
+    values = unpack_int32(qweight.t(), bits, qweight.shape[0] * (32 // bits))
+    return pack_int32(values[:, perm.long()], bits)
 
 
 def unpack_gptq_zeros(qzeros: torch.Tensor, bits: int, out_features: int, v1_zeros: bool = True) -> torch.Tensor:

@@ -13,10 +13,15 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
+def saturate_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) saturated to +-448, rounded to nearest even e4m3 (torch's cast does not saturate: 449 would become
+    NaN)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def _to_fp8(x: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:
-    """x (float32) times the inverse scale, saturated to +-448, rounded to nearest even e4m3 (torch's cast does not
-    saturate: 449 would become NaN)."""
-    return (x * inverse_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    """x (float32) times the inverse scale, saturated and rounded (saturate_fp8)."""
+    return saturate_fp8(x * inverse_scale)
 
 
 def _div(x: torch.Tensor, divisor: float) -> torch.Tensor:
@@ -25,11 +30,16 @@ def _div(x: torch.Tensor, divisor: float) -> torch.Tensor:
     return torch.div(x, torch.full_like(x, divisor))
 
 
+def _dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
+    """max(amax / 448, 1/(448*512)), the division rounded once."""
+    return _div(amax, FP8_MAX).clamp_min(FP8_MIN_SCALE)
+
+
 def fp8_quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q float8_e4m3fn [M, K], scale float32 [M, 1]) with scale = max(amax(|x row|) / 448, 1/(448*512))
     and q = sat(x * (1 / scale)), all in float32 (IEEE division). x ~= q * scale."""
     xf = x.float()
-    scale = _div(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp_min(FP8_MIN_SCALE)
+    scale = _dynamic_scale(xf.abs().amax(dim=-1, keepdim=True))
     return _to_fp8(xf, 1.0 / scale), scale
 
 
@@ -38,7 +48,7 @@ def fp8_quant_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None) -> 
     without one, the dynamic scale is max(amax(|x|) / 448, 1/(448*512)) over the whole tensor."""
     xf = x.float()
     if scale is None:
-        scale = _div(xf.abs().amax(), FP8_MAX).clamp_min(FP8_MIN_SCALE)
+        scale = _dynamic_scale(xf.abs().amax())
     scale = scale.float().reshape(1)
     return _to_fp8(xf, 1.0 / scale), scale
 
@@ -50,7 +60,7 @@ def fp8_quant_per_token_group(x: torch.Tensor, group_size: int = 128) -> tuple[t
     m, k = x.shape
     groups = -(-k // group_size)
     xf = torch.nn.functional.pad(x.float(), (0, groups * group_size - k)).view(m, groups, group_size)
-    scale = _div(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp_min(FP8_MIN_SCALE)
+    scale = _dynamic_scale(xf.abs().amax(dim=-1, keepdim=True))
     q = _to_fp8(xf, 1.0 / scale).view(m, groups * group_size)[:, :k]
     return q.contiguous(), scale.view(m, groups).t().contiguous().t()
 
@@ -73,10 +83,13 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
     (DeepSeek's weight_scale_inv; [M, K/128] activation scales with block (1, 128))."""
     qf = q.float()
     if block is not None:
-        rows, cols = qf.shape[-2:]
-        scale = scale.float().repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
-        scale = scale[..., :rows, :cols]
+        scale = expand_blocks(scale.float(), block, *qf.shape[-2:])
     return (qf * scale.float()).to(dtype)
+
+
+def expand_blocks(scale: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
+    """One value per br x bc block, [..., ceil(rows / br), ceil(cols / bc)] -> one per element, [..., rows, cols]."""
+    return scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :rows, :cols]
 
 
 # ---- Packed integer weights (compressed-tensors pack-quantized; AWQ and GPTQ convert into it) ----

@@ -7,7 +7,7 @@ import pytest
 
 from surge import LLM
 from surge.kv_transfer.mooncake_server import MooncakeStoreServer
-from test_shared_storage import ENGINE, GREEDY, prompts, tokens
+from test_ec_shared_storage import ENGINE, GREEDY, prompts, tokens
 from tiny_vlm import make_tiny_llava
 
 

@@ -13,6 +13,7 @@ of HF's largest logit."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -132,6 +133,33 @@ def test_quantization_flag_is_checked(tmp_path):
     with pytest.raises(ValueError, match="does not match the checkpoint's quantization_config.quant_method="
                                          "'compressed-tensors'"):
         LLM(tmp_path / "ct", quantization="fp8", max_model_len=64, kv_cache_memory=1 << 20)
+
+
+def test_checkpoint_headers_are_read_once_for_every_build(tmp_path, monkeypatch):
+    """An engine builds its model several times (on the meta device for its KV cache layout, then to load); each
+    build places its layers' quantization by the checkpoint's tensor names, read from the safetensors headers once,
+    and again only after a file changed."""
+    from surge.engine.args import EngineArgs
+    from surge.model.loader import safetensors_loader
+    from surge.model.loader.base import build_model
+
+    save_hf_fp8_block(tiny_config("llama"), tmp_path, block=(32, 32))
+    files = sorted(tmp_path.glob("*.safetensors"))
+    mc = EngineArgs(model=str(tmp_path), device="cpu", max_model_len=64,
+                    kv_cache_memory=1 << 20).create_engine_config().model_config
+    opened, real_open = [], safetensors_loader.safe_open
+
+    def counting_open(file, **options):
+        opened.append(file)
+        return real_open(file, **options)
+    monkeypatch.setattr(safetensors_loader, "safe_open", counting_open)
+    for _ in range(2):
+        assert build_model(mc, torch.device("meta")).layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    assert len(opened) == len(files)
+    stat = files[0].stat()
+    os.utime(files[0], ns=(stat.st_atime_ns, stat.st_mtime_ns + 1000))
+    build_model(mc, torch.device("meta"))
+    assert len(opened) == 2 * len(files)
 
 
 def test_preset_with_random_quantized_weights():

@@ -5,6 +5,7 @@ Building the model and choosing how to fill it is base.py's (the load_format tab
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -15,14 +16,35 @@ from surge.model.layers.gemm import drop_packed_weights
 from surge.model.layers.linear import default_weight_loader
 
 
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    return sorted(Path(model_dir).glob("*.safetensors"))
+
+
 def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = safetensors_files(model_dir)
     if not files:
         raise ValueError(f"model={str(model_dir)!r}: no *.safetensors weight files found")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def checkpoint_tensor_names(model_dir: str | Path) -> tuple[str, ...]:
+    """The names of a checkpoint's tensors, from its safetensors headers, read once per process while the files
+    stay as they are: an engine builds its model several times (on the meta device for the KV cache layout, LoRA
+    checks and the weight cache, then to load), and each build asks which checkpoint tensors its layers load."""
+    files = safetensors_files(model_dir)
+    return _tensor_names(tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+
+
+@lru_cache(maxsize=4)
+def _tensor_names(files: tuple[tuple[str, int, int], ...]) -> tuple[str, ...]:
+    names: list[str] = []
+    for file, _, _ in files:
+        with safe_open(file, framework="pt") as f:
+            names.extend(f.keys())
+    return tuple(names)
 
 
 @torch.no_grad()

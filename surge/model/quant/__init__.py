@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,9 +24,10 @@ class QuantConfig:
     name = "none"
     ignore: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()  # checkpoint tensor names (last part) the layers do not load
+    method: LinearMethod  # of every layer not ignored (configs whose layers differ override method_for)
 
     def method_for(self, module: str) -> LinearMethod:
-        raise NotImplementedError
+        return UNQUANTIZED if self.ignored(module) else self.method
 
     def moe_method_for(self, module: str) -> MoEMethod:
         """The method of a mixture-of-experts layer whose checkpoint module (one expert's projection, or the stacked
@@ -38,7 +38,7 @@ class QuantConfig:
         return any(_matches(module, pattern) for pattern in self.ignore)
 
     def describe(self) -> str:
-        return self.name
+        return f"{self.name} ({self.method.describe()})"
 
 
 def _matches(module: str, pattern: str) -> bool:
@@ -55,6 +55,13 @@ def _matches(module: str, pattern: str) -> bool:
 
 def _refuse(field: str, value: Any, supported: str) -> ValueError:
     return ValueError(f"quantization_config.{field}={value!r} is not supported; supported: {supported}")
+
+
+def _group_size(group: Any) -> int | None:
+    """AWQ's and GPTQ's group_size: a positive integer, or -1 for one group per output channel (None)."""
+    if not (isinstance(group, int) and (group > 0 or group == -1)):
+        raise _refuse("group_size", group, "a positive integer, or -1 (per channel)")
+    return group if group > 0 else None
 
 
 class Fp8Config(QuantConfig):
@@ -83,9 +90,6 @@ class Fp8Config(QuantConfig):
         else:
             self.method = Fp8LinearMethod("tensor", "static" if scheme == "static" else "token", None, **names)
 
-    def method_for(self, module: str) -> LinearMethod:
-        return UNQUANTIZED if self.ignored(module) else self.method
-
     def describe(self) -> str:
         return self.method.describe()
 
@@ -97,9 +101,6 @@ class OnlineFp8Config(QuantConfig):
 
     def __init__(self) -> None:
         self.method = Fp8LinearMethod("channel", "token", online=True)
-
-    def method_for(self, module: str) -> LinearMethod:
-        return self.method
 
     def describe(self) -> str:
         return self.method.describe()
@@ -113,9 +114,6 @@ class PresetW4A16Config(QuantConfig):
     def __init__(self) -> None:
         from surge.model.quant.wna16 import WNA16LinearMethod
         self.method = WNA16LinearMethod(bits=4, group_size=128, symmetric=True)
-
-    def method_for(self, module: str) -> LinearMethod:
-        return self.method
 
     def describe(self) -> str:
         return f"w4a16 (random weights): {self.method.describe()}"
@@ -162,16 +160,14 @@ def _import_methods() -> None:
 def checkpoint_modules(model: nn.Module, model_dir: str | None) -> dict[str, set[str]]:
     """This model's module name -> the checkpoint module names it loads (from the safetensors headers; a merged
     layer has several). Without a checkpoint (random weights), the names the model's weight mapper would map."""
+    from surge.model.loader.safetensors_loader import checkpoint_tensor_names  # it imports the layers, which import us
     names: dict[str, set[str]] = defaultdict(set)
-    files = sorted(Path(model_dir).glob("*.safetensors")) if model_dir else []
-    if files:
-        from safetensors import safe_open
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    target = model.checkpoint_name_to_param(name)
-                    if target is not None and "." in target[0]:
-                        names[target[0].rsplit(".", 1)[0]].add(name.rsplit(".", 1)[0])
+    tensors = checkpoint_tensor_names(model_dir) if model_dir else ()
+    if tensors:
+        for name in tensors:
+            target = model.checkpoint_name_to_param(name)
+            if target is not None and "." in target[0]:
+                names[target[0].rsplit(".", 1)[0]].add(name.rsplit(".", 1)[0])
         return names
     packed = getattr(model, "weight_mapper", None)
     inverse = defaultdict(list)

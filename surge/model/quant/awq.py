@@ -11,10 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from surge.kernels.int_packing import unpack_awq
-from surge.kernels.quant_reference import pack_int32
-from surge.model.quant import QuantConfig, _refuse, register_quant_method
-from surge.model.quant.base import UNQUANTIZED, LinearMethod
+from surge.kernels.int_packing import repack_awq_qweight, unpack_awq
+from surge.model.quant import QuantConfig, _group_size, _refuse, register_quant_method
 from surge.model.quant.wna16 import RepackedWNA16Method
 
 
@@ -28,31 +26,24 @@ class AWQLinearMethod(RepackedWNA16Method):
         columns = loaded.shape[1] * 8
         if name == "qzeros":
             return unpack_awq(loaded, columns).t()
-        return pack_int32(unpack_awq(loaded, columns).t(), 4)  # qweight
+        return repack_awq_qweight(loaded, columns)
 
 
 class AWQConfig(QuantConfig):
     name = "awq"
 
     def __init__(self, cfg: dict) -> None:
-        bits, group = cfg.get("bits", cfg.get("w_bit")), cfg.get("group_size", cfg.get("q_group_size"))
+        bits = cfg.get("bits", cfg.get("w_bit"))
         if bits != 4:
             raise _refuse("bits", bits, "4")
-        if not (isinstance(group, int) and (group > 0 or group == -1)):
-            raise _refuse("group_size", group, "a positive integer, or -1 (per channel)")
+        group = _group_size(cfg.get("group_size", cfg.get("q_group_size")))
         if cfg.get("zero_point", True) is not True:
             raise _refuse("zero_point", cfg.get("zero_point"), "true")
         version = cfg.get("version", "gemm")
         if str(version).lower() != "gemm":
             raise _refuse("version", version, "'gemm' (AutoAWQ's GEMM layout; GEMV and ExLlama layouts differ)")
         self.ignore = tuple(cfg.get("modules_to_not_convert") or ())
-        self.method = AWQLinearMethod(bits=4, group_size=group if group > 0 else None, symmetric=False)
-
-    def method_for(self, module: str) -> LinearMethod:
-        return UNQUANTIZED if self.ignored(module) else self.method
-
-    def describe(self) -> str:
-        return f"awq ({self.method.describe()})"
+        self.method = AWQLinearMethod(bits=4, group_size=group, symmetric=False)
 
 
 register_quant_method("awq", AWQConfig)

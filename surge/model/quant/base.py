@@ -13,15 +13,19 @@ by name like any other; loaders convert what a format stores differently as it a
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from surge.kernels.fused_moe import MoeQuant
     from surge.model.layers.linear import Linear
     from surge.model.quant.quantized_input import InputQuant
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,22 @@ class Sharding:
 
 
 WEIGHT = Sharding()
+
+
+def cached_on_layer(layer: nn.Module, slot: str, compute: Callable[[], T],
+                    sources: tuple[torch.Tensor, ...] | None = None) -> T:
+    """compute(), kept on the layer under `slot` and computed again only after one of the parameters it derives from
+    (`sources`; None: all the layer's own) changed in place or was replaced: what a method derives from its stored
+    weights (a dequantized copy, unpacked zero points, act-order's permutation) is made once, not per call. Naming
+    the sources keeps a per-call check on the GPU path to one tensor."""
+    if sources is None:
+        sources = tuple(p for p in layer._parameters.values() if p is not None)
+    key = tuple((p.data_ptr(), p._version) for p in sources)
+    cached = layer.__dict__.get(slot)
+    if cached is None or cached[0] != key:
+        with torch.inference_mode(False):  # a tensor with a version counter, for the CPU GEMM's packed copy
+            cached = layer.__dict__[slot] = (key, compute())
+    return cached[1]
 
 
 def add_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -81,16 +101,11 @@ class LinearMethod:
         return layer.weight
 
     def cached_dense_weight(self, layer: Linear) -> torch.Tensor:
-        """dense_weight, computed once and again only after a parameter changed (for layers whose weight is read
-        directly, as MLA's kv_b_proj; the dequantized CPU paths)."""
+        """dense_weight, computed once (for layers whose weight is read directly, as MLA's kv_b_proj; the dequantized
+        CPU paths)."""
         if self is UNQUANTIZED:
             return layer.weight
-        key = tuple((p.data_ptr(), p._version) for p in layer.parameters(recurse=False))
-        cached = layer.__dict__.get("_dense_weight")
-        if cached is None or cached[0] != key:
-            with torch.inference_mode(False):  # a tensor with a version counter, for the CPU GEMM's packed copy
-                cached = layer.__dict__["_dense_weight"] = (key, self.dense_weight(layer))
-        return cached[1]
+        return cached_on_layer(layer, "_dense_weight", lambda: self.dense_weight(layer))
 
     def moe_method(self) -> MoEMethod:
         """This method's counterpart for a mixture-of-experts layer the config quantizes alike."""
@@ -104,6 +119,9 @@ UNQUANTIZED = LinearMethod()
 
 
 # ---- mixture-of-experts layers ----
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # a FusedMoE's weights, and the prefix of a quantized one's tensors
+
 
 class MoEMethod:
     """How one FusedMoE layer (surge/model/layers/moe.py) stores and applies its experts' weights. Parameters are
@@ -123,14 +141,27 @@ class MoEMethod:
 
     def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               **options) -> torch.Tensor:
-        """This rank's share of sum_k weight_k * expert_k(x); options: biases and the activation."""
+        """This rank's share of sum_k weight_k * expert_k(x); options: biases and the activation. CUDA: the fused MoE
+        kernels on the stored weights (`kernel_weights`); elsewhere the torch reference on the dense weights,
+        computed once, with the activations' quantization simulated around each GEMM (`activation_quant`)."""
         if x.is_cuda:  # the kernels skip another rank's experts themselves: no id arithmetic launched here
             from surge.kernels.fused_moe import fused_moe
-            return fused_moe(x, layer.gate_up_proj, layer.down_proj, topk_weights, topk_ids,
-                             expert_offset=layer.expert_start, **options)
+            gate_up, down, quant = self.kernel_weights(layer)
+            return fused_moe(x, gate_up, down, topk_weights, topk_ids, expert_offset=layer.expert_start,
+                             quant=quant, **options)
         from surge.kernels.reference import fused_moe as fused_moe_reference
-        return fused_moe_reference(x, layer.gate_up_proj, layer.down_proj, topk_weights,
-                                   layer.local_expert_ids(topk_ids), **options)
+        gate_up, down = self.cached_dense_weights(layer)
+        return fused_moe_reference(x, gate_up, down, topk_weights, layer.local_expert_ids(topk_ids),
+                                   activation_quant=self.activation_quant(), **options)
+
+    def kernel_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor, MoeQuant | None]:
+        """(gate|up, down, their MoeQuant) as the fused MoE kernels take them."""
+        return layer.gate_up_proj, layer.down_proj, None
+
+    def activation_quant(self) -> Callable[[torch.Tensor, str], torch.Tensor] | None:
+        """The quantization of each expert GEMM's input the kernels do, simulated (quantize, dequantize) on the
+        reference path; None: the activations stay as they are."""
+        return None
 
     def init_dummy(self, layer, gen: torch.Generator) -> None:
         layer.gate_up_proj.normal_(0.0, 0.02, generator=gen)
@@ -139,6 +170,12 @@ class MoEMethod:
     def dense_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate|up [E, 2I, H], down [E, H, I]) in the activations' dtype (references, the CPU path)."""
         return layer.gate_up_proj, layer.down_proj
+
+    def cached_dense_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """dense_weights, computed once (the CPU path)."""
+        if self is UNQUANTIZED_MOE:
+            return self.dense_weights(layer)
+        return cached_on_layer(layer, "_dense_weights", lambda: self.dense_weights(layer))
 
 
 def add_expert_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype,

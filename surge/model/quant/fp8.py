@@ -30,7 +30,7 @@ from torch import nn
 from surge.kernels.quant_reference import FP8_DTYPE as FP8
 from surge.kernels.quant_reference import FP8_MAX
 from surge.kernels.quant_reference import FP8_MIN_SCALE as MIN_SCALE
-from surge.kernels.quant_reference import dequantize_fp8, fp8_fake_quant
+from surge.kernels.quant_reference import dequantize_fp8, expand_blocks, fp8_fake_quant, saturate_fp8
 from surge.model.quant.base import LinearMethod, Sharding, add_param
 from surge.model.quant.quantized_input import InputQuant, QuantizedInput
 
@@ -40,23 +40,22 @@ WO_GEMM_ROWS = 32  # up to here fp8_wo_gemm beats torch._scaled_mm on Qwen3-8B's
 
 def quantize_weight(w: torch.Tensor, scheme: str, block: tuple[int, int] | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A dense [N, K] weight -> (fp8 [N, K], float32 scales as `Fp8LinearMethod` stores them). Random weights for
-    presets, online quantization, and the tests' checkpoints."""
+    """A dense [N, K] weight (per channel: [..., N, K], e.g. experts) -> (fp8 of its shape, float32 scales as
+    `Fp8LinearMethod` / `Fp8MoEMethod` store them). Random weights for presets, online quantization, and the tests'
+    checkpoints."""
     w = w.float()
-    n, k = w.shape
     if scheme == "block":
+        n, k = w.shape
         bn, bk = block
         pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, device=w.device)
         pad[:n, :k] = w
-        blocks = pad.view(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk)
-        scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_(min=MIN_SCALE)
-        expanded = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
-        return (w / expanded).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
-    if scheme == "tensor":
-        scale = (w.abs().amax() / FP8_MAX).clamp_(min=MIN_SCALE).expand(n, 1).clone()
+        amax = pad.view(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk).abs().amax(dim=(1, 3))
+    elif scheme == "tensor":
+        amax = w.abs().amax().expand(w.shape[0], 1)
     else:
-        scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)
-    return (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+        amax = w.abs().amax(dim=-1, keepdim=True)
+    scale = (amax / FP8_MAX).clamp_(min=MIN_SCALE)
+    return saturate_fp8(w / (expand_blocks(scale, block, n, k) if scheme == "block" else scale)), scale
 
 
 # ---- the linear method ----

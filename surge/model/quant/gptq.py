@@ -15,10 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from surge.distributed.parallel_state import get_tp_group
-from surge.kernels.int_packing import unpack_gptq_zeros
-from surge.kernels.quant_reference import pack_int32, unpack_int32
-from surge.model.quant import QuantConfig, _refuse, register_quant_method
-from surge.model.quant.base import UNQUANTIZED, LinearMethod
+from surge.kernels.int_packing import repack_gptq_qweight, unpack_gptq_zeros
+from surge.model.quant import QuantConfig, _group_size, _refuse, register_quant_method
 from surge.model.quant.wna16 import RepackedWNA16Method
 
 FORMATS = ("gptq", "gptq_v2")
@@ -36,15 +34,11 @@ class GPTQLinearMethod(RepackedWNA16Method):
         super().create_weights(layer, device)
 
     def convert(self, name: str, loaded: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
-        per_word = 32 // self.bits
         if name == "scales":
             return loaded.t()
         if name == "qzeros":
-            return unpack_gptq_zeros(loaded, self.bits, loaded.shape[1] * per_word, self.v1_zeros)
-        if perm is None:  # qweight: packed along K as the canonical layout, transposed
-            return loaded.t()
-        values = unpack_int32(loaded.t(), self.bits, loaded.shape[0] * per_word)
-        return pack_int32(values[:, perm.long()], self.bits)
+            return unpack_gptq_zeros(loaded, self.bits, loaded.shape[1] * (32 // self.bits), self.v1_zeros)
+        return repack_gptq_qweight(loaded, self.bits, perm)
 
     def describe(self) -> str:
         return super().describe() + (", act-order" if self.act_order else "")
@@ -54,11 +48,10 @@ class GPTQConfig(QuantConfig):
     name = "gptq"
 
     def __init__(self, cfg: dict) -> None:
-        bits, group = cfg.get("bits"), cfg.get("group_size", -1)
+        bits = cfg.get("bits")
         if bits not in (4, 8):
             raise _refuse("bits", bits, "4, 8")
-        if not (isinstance(group, int) and (group > 0 or group == -1)):
-            raise _refuse("group_size", group, "a positive integer, or -1 (per channel)")
+        group = _group_size(cfg.get("group_size", -1))
         fmt = cfg.get("checkpoint_format", "gptq")
         if fmt not in FORMATS:
             raise _refuse("checkpoint_format", fmt, ", ".join(map(repr, FORMATS)))
@@ -69,15 +62,8 @@ class GPTQConfig(QuantConfig):
         act_order = bool(cfg.get("desc_act", False))
         self.ignore = tuple(cfg.get("modules_to_not_convert") or ())
         self.skip = () if act_order else ("g_idx",)  # in order without act-order: k // group
-        self.method = GPTQLinearMethod(bits=bits, group_size=group if group > 0 else None,
-                                       symmetric=bool(cfg.get("sym", True)), act_order=act_order,
-                                       v1_zeros=fmt == "gptq")
-
-    def method_for(self, module: str) -> LinearMethod:
-        return UNQUANTIZED if self.ignored(module) else self.method
-
-    def describe(self) -> str:
-        return f"gptq ({self.method.describe()})"
+        self.method = GPTQLinearMethod(bits=bits, group_size=group, symmetric=bool(cfg.get("sym", True)),
+                                       act_order=act_order, v1_zeros=fmt == "gptq")
 
 
 register_quant_method("gptq", GPTQConfig)

@@ -16,10 +16,10 @@ import torch
 
 from surge.kernels.quant_reference import dequantize_mxfp4
 from surge.model.quant import QuantConfig, register_quant_method
-from surge.model.quant.base import UNQUANTIZED, UNQUANTIZED_MOE, LinearMethod, MoEMethod, Sharding, add_expert_param
+from surge.model.quant.base import (EXPERT_WEIGHTS, UNQUANTIZED, UNQUANTIZED_MOE, LinearMethod, MoEMethod, Sharding,
+                                   add_expert_param)
 
 BLOCK = 32
-PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -35,36 +35,26 @@ class Mxfp4MoEMethod(MoEMethod):
             raise ValueError(f"mxfp4 experts need the hidden size ({h}) and this rank's intermediate size ({i}) to be "
                              f"multiples of {BLOCK}")
         sharding = Sharding(1, BLOCK)  # one element per row; a block of 32 checkpoint elements per column
-        for proj, (rows, cols) in zip(PROJECTIONS, ((2 * i, h), (h, i))):
+        for proj, (rows, cols) in zip(EXPERT_WEIGHTS, ((2 * i, h), (h, i))):
             add_expert_param(layer, f"{proj}_blocks", (e, rows, cols // BLOCK, 16), torch.uint8, sharding, device,
                              checkpoint_in_out=False)
             add_expert_param(layer, f"{proj}_scales", (e, rows, cols // BLOCK), torch.uint8, sharding, device,
                              checkpoint_in_out=False)
 
     def init_dummy(self, layer, gen: torch.Generator) -> None:
-        for proj in PROJECTIONS:
+        for proj in EXPERT_WEIGHTS:
             blocks, scales = getattr(layer, f"{proj}_blocks"), getattr(layer, f"{proj}_scales")
             blocks.data.copy_(torch.randint(0, 256, blocks.shape, generator=gen, device=blocks.device))
             scales.data.fill_(127 - 8)  # e2m1 values up to 6 / 256: about normal(0, 0.02) weights
 
     def dense_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(dequantize_mxfp4(getattr(layer, f"{proj}_blocks"), getattr(layer, f"{proj}_scales"),
-                                      layer.params_dtype) for proj in PROJECTIONS)
+                                      layer.params_dtype) for proj in EXPERT_WEIGHTS)
 
-    def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              **options) -> torch.Tensor:
-        if x.is_cuda:
-            from surge.kernels.fused_moe import MoeQuant, fused_moe
-            quant = MoeQuant("mxfp4", layer.gate_up_proj_scales, layer.down_proj_scales)
-            return fused_moe(x, layer.gate_up_proj_blocks, layer.down_proj_blocks, topk_weights, topk_ids,
-                             expert_offset=layer.expert_start, quant=quant, **options)
-        from surge.kernels.reference import fused_moe as fused_moe_reference
-        key = tuple(getattr(layer, f"{proj}_{part}")._version for proj in PROJECTIONS for part in ("blocks", "scales"))
-        cached = layer.__dict__.get("_mxfp4_dequantized")
-        if cached is None or cached[0] != key:
-            cached = layer.__dict__["_mxfp4_dequantized"] = (key, self.dense_weights(layer))
-        gate_up, down = cached[1]
-        return fused_moe_reference(x, gate_up, down, topk_weights, layer.local_expert_ids(topk_ids), **options)
+    def kernel_weights(self, layer):
+        from surge.kernels.fused_moe import MoeQuant
+        quant = MoeQuant("mxfp4", layer.gate_up_proj_scales, layer.down_proj_scales)
+        return layer.gate_up_proj_blocks, layer.down_proj_blocks, quant
 
 
 class Mxfp4Config(QuantConfig):
@@ -73,13 +63,13 @@ class Mxfp4Config(QuantConfig):
 
     def __init__(self, cfg: dict) -> None:
         self.ignore = tuple(cfg.get("modules_to_not_convert") or ())
-        self.method = Mxfp4MoEMethod()
+        self.experts = Mxfp4MoEMethod()
 
     def method_for(self, module: str) -> LinearMethod:
         return UNQUANTIZED
 
     def moe_method_for(self, module: str) -> MoEMethod:
-        return UNQUANTIZED_MOE if self.ignored(module) else self.method
+        return UNQUANTIZED_MOE if self.ignored(module) else self.experts
 
     def describe(self) -> str:
         return "mxfp4 experts"

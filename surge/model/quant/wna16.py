@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from surge.kernels.quant_reference import dequantize_packed, pack_int32
-from surge.model.quant.base import LinearMethod, Sharding, add_param
+from surge.model.quant.base import LinearMethod, Sharding, add_param, cached_on_layer
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group: int | None, symmetric: bool
@@ -67,28 +67,36 @@ class WNA16LinearMethod(LinearMethod):
     def create_weights(self, layer, device) -> None:
         n, k = layer.out_features, layer.in_features
         per_word, g, groups = 32 // self.bits, self.group_size, self._groups(layer)
-        add_param(layer, "weight_packed", (n, k // per_word), torch.int32, Sharding(1, per_word), device=device)
-        add_param(layer, "weight_scale", (n, groups), layer.params_dtype, Sharding(1, g), device=device)
+        add_param(layer, self.packed_name, (n, k // per_word), torch.int32, Sharding(1, per_word), device=device)
+        add_param(layer, self.scale_name, (n, groups), layer.params_dtype, Sharding(1, g), device=device)
+        self._create_zero_point(layer, groups, device)
+
+    def _create_zero_point(self, layer, groups: int, device) -> None:
         if not self.symmetric:
-            add_param(layer, "weight_zero_point", (-(-n // per_word), groups), torch.int32, Sharding(per_word, g),
-                      device=device)
+            per_word = 32 // self.bits
+            add_param(layer, "weight_zero_point", (-(-layer.out_features // per_word), groups), torch.int32,
+                      Sharding(per_word, self.group_size), device=device)
 
     def dense_weight(self, layer) -> torch.Tensor:
+        """In the input's order (act-order's stored columns put back: stored column j is input channel perm[j])."""
         packed, scale = getattr(layer, self.packed_name), getattr(layer, self.scale_name)
-        return dequantize_packed(packed, scale.float(), self.bits, self.group_size or layer.in_features,
-                                 self._zero_point(layer), layer.in_features).to(layer.params_dtype)
+        dense = dequantize_packed(packed, scale.float(), self.bits, self.group_size or layer.in_features,
+                                  self._zero_point(layer), layer.in_features).to(layer.params_dtype)
+        perm = self._input_perm(layer)
+        if perm is None:
+            return dense
+        unsorted = torch.empty_like(dense)
+        unsorted[:, perm.long()] = dense
+        return unsorted
 
     def _zero_point(self, layer) -> torch.Tensor | None:
         """The kernel's unsigned zero points [N, K / group] (uint8), unpacked once from the checkpoint's words."""
         if self.symmetric:
             return None
-        key = (layer.weight_zero_point.data_ptr(), layer.weight_zero_point._version)
-        cached = layer.__dict__.get("_wna16_zero")
-        if cached is None or cached[0] != key:
-            from surge.kernels.int_packing import unpack_ct_zero_point
-            cached = layer.__dict__["_wna16_zero"] = (key, unpack_ct_zero_point(layer.weight_zero_point, self.bits,
-                                                                                 layer.out_features))
-        return cached[1]
+        from surge.kernels.int_packing import unpack_ct_zero_point
+        zero = layer.weight_zero_point
+        return cached_on_layer(layer, "_zero_point", lambda: unpack_ct_zero_point(zero, self.bits, layer.out_features),
+                               (zero,))
 
     def _input_perm(self, layer) -> torch.Tensor | None:
         """GPTQ act-order: the order of x's columns the weight's are stored in (None: as they come)."""
@@ -114,14 +122,8 @@ class WNA16LinearMethod(LinearMethod):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:
             return self.cuda_gemm(layer, x, bias)
-        packed, scale = getattr(layer, self.packed_name), getattr(layer, self.scale_name)
         from surge.model.layers.gemm import linear
-        key = (packed.data_ptr(), packed._version, scale._version)
-        cached = layer.__dict__.get("_wna16_dense")
-        if cached is None or cached[0] != key:
-            with torch.inference_mode(False):  # a tensor with a version counter, for the GEMM's packed copy
-                cached = layer.__dict__["_wna16_dense"] = (key, self._dense_in_input_order(layer))
-        return linear(x, cached[1], bias, owner=layer)
+        return linear(x, self.cached_dense_weight(layer), bias, owner=layer)
 
     def cuda_gemm(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The int kernels on the packed weight: the GEMV (int_gemv.py) up to its MAX_ROWS rows of x (decode: it
@@ -132,14 +134,6 @@ class WNA16LinearMethod(LinearMethod):
         kernel = int_gemv if x.numel() <= MAX_ROWS * x.shape[-1] else int_gemm
         return kernel(x, packed, scale, bits=self.bits, group_size=self.group_size or layer.in_features,
                       zero_point=self._zero_point(layer), input_perm=self._input_perm(layer), bias=bias)
-
-    def _dense_in_input_order(self, layer) -> torch.Tensor:
-        dense, perm = self.dense_weight(layer), self._input_perm(layer)
-        if perm is None:
-            return dense
-        unsorted = torch.empty_like(dense)
-        unsorted[:, perm.long()] = dense  # stored column j is input channel perm[j]
-        return unsorted
 
 
 @dataclass(frozen=True)
@@ -164,13 +158,9 @@ class RepackedWNA16Method(WNA16LinearMethod):
         raise NotImplementedError
 
     def create_weights(self, layer, device) -> None:
-        n, k = layer.out_features, layer.in_features
-        per_word, g, groups = 32 // self.bits, self.group_size, self._groups(layer)
-        add_param(layer, "qweight", (n, k // per_word), torch.int32, Sharding(1, per_word), device=device)
-        add_param(layer, "scales", (n, groups), layer.params_dtype, Sharding(1, g), device=device)
-        add_param(layer, "qzeros", (n, groups), torch.uint8, Sharding(1, g), device=device)
+        super().create_weights(layer, device)
         if self.act_order:
-            add_param(layer, "g_idx", (k,), torch.int32, Sharding(None, None), device=device)
+            add_param(layer, "g_idx", (layer.in_features,), torch.int32, Sharding(None, None), device=device)
         for name, param in layer.named_parameters(recurse=False):
             if name != "bias":
                 param.weight_loader = partial(self._load, layer, name)
@@ -196,6 +186,10 @@ class RepackedWNA16Method(WNA16LinearMethod):
         perm = self._input_perm(layer) if name == "qweight" else None
         layer.weight_loader(param, self.convert(name, loaded, perm), shard_id)
 
+    def _create_zero_point(self, layer, groups: int, device) -> None:
+        add_param(layer, "qzeros", (layer.out_features, groups), torch.uint8, Sharding(1, self.group_size),
+                  device=device)
+
     def _zero_point(self, layer) -> torch.Tensor:
         return layer.qzeros
 
@@ -212,10 +206,6 @@ class RepackedWNA16Method(WNA16LinearMethod):
     def _input_perm(self, layer) -> torch.Tensor | None:
         if not self.act_order:
             return None
-        key = (layer.g_idx.data_ptr(), layer.g_idx._version)
-        cached = layer.__dict__.get("_act_order_perm")
-        if cached is None or cached[0] != key:
-            from surge.kernels.int_packing import act_order_perm
-            cached = layer.__dict__["_act_order_perm"] = (key, act_order_perm(layer.g_idx, self.group_size
-                                                                               or layer.in_features))
-        return cached[1]
+        from surge.kernels.int_packing import act_order_perm
+        g_idx, group = layer.g_idx, self.group_size or layer.in_features
+        return cached_on_layer(layer, "_act_order_perm", lambda: act_order_perm(g_idx, group), (g_idx,))
