@@ -269,10 +269,10 @@ class ModelRunner:
                 f"the KV cache budget holds {capacity} tokens ({num_blocks - 1} blocks of {cc.block_size}, "
                 f"{kvc.bytes_per_block + draft_bytes} bytes each), fewer than max_model_len={mc.max_model_len}; "
                 "raise kv_cache_memory / memory_fraction or lower max_model_len")
-        logger.info("KV cache: %s, %d tokens (%d blocks x %d) per group, %d group(s) (sliding windows' pools: %s "
-                    "blocks), %.1f MiB", str(cc.cache_dtype(mc.dtype)).removeprefix("torch."), capacity,
-                    num_blocks - 1, cc.block_size, len(groups),
-                    [kvc.num_blocks_of(g.group_id) for g in groups if caps[g.group_id] is not None], total / 2**20)
+        pools = [kvc.num_blocks_of(g.group_id) for g in groups if caps[g.group_id] is not None]
+        logger.info("KV cache: %s, %d tokens (%d blocks x %d) per group, %d group(s)%s, %.1f MiB",
+                    str(cc.cache_dtype(mc.dtype)).removeprefix("torch."), capacity, num_blocks - 1, cc.block_size,
+                    len(groups), f" (sliding windows' pools: {pools} blocks)" if pools else "", total / 2**20)
         return kvc
 
     def _allocate_kv_cache(self) -> None:
