@@ -60,8 +60,14 @@ def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, inputs: StepInputs, backend: AttentionBackend, max_num_seqs: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, lora_mapping=None) -> None:
+        """lora_mapping: a LoRA engine's step mapping (surge/model/layers/lora.py): the decode graphs are captured
+        twice, with the LoRA kernels (steps carrying adapters) and without (steps of the base model alone, which
+        then run as fast as in an engine without LoRA; vLLM's cudagraph_specialize_lora)."""
         self.model = model
+        self.lora_mapping = lora_mapping
+        self.base_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode, without the LoRA kernels
+        self.base_outputs: dict[int, torch.Tensor] = {}
         self.inputs = inputs
         self.backend = backend
         self.sizes = capture_sizes(max_num_seqs)
@@ -88,8 +94,11 @@ class CUDAGraphRunner:
                                     max_query_len=num_tokens, max_seq_len=self.max_model_len, for_capture=True)
 
     def _plan(self) -> list[tuple[str, int]]:
-        """Every graph, largest first (later ones reuse its pool memory): mixed token counts, then decode batches."""
-        return [("mixed", t) for t in reversed(self.mixed_sizes)] + [("decode", bs) for bs in reversed(self.sizes)]
+        """Every graph, largest first (later ones reuse its pool memory): mixed token counts, then decode batches
+        (a LoRA engine's: then the decode batches again, without the LoRA kernels)."""
+        decode = list(reversed(self.sizes))
+        base = [("base", bs) for bs in decode] if self.lora_mapping is not None else []
+        return [("mixed", t) for t in reversed(self.mixed_sizes)] + [("decode", bs) for bs in decode] + base
 
     def capture(self) -> float:
         """Capture every graph now."""
@@ -157,8 +166,9 @@ class CUDAGraphRunner:
 
     def _describe(self) -> str:
         mixed = sorted(self.mixed_graphs)
+        base = f"; decode 1..{max(self.base_graphs)} again without the LoRA kernels" if self.base_graphs else ""
         return (f"decode batch 1..{max(self.graphs, default=0)}, mixed steps of "
-                f"{f'{mixed[0]}..{mixed[-1]}' if mixed else 'no'} tokens")
+                f"{f'{mixed[0]}..{mixed[-1]}' if mixed else 'no'} tokens{base}")
 
     @torch.inference_mode()
     def _capture_all(self, plan: list[tuple[str, int]], warm_first: bool,
@@ -181,6 +191,14 @@ class CUDAGraphRunner:
                 graph, out = self._capture_one(n, self._mixed_meta(n), warm, stream)
                 self.mixed_outputs[n] = out
                 self.mixed_graphs[n] = graph  # published: the engine may replay it from now on
+            elif kind == "base":  # LoRA engines: the same decode graph without the LoRA kernels
+                self.lora_mapping.graph_kernels = False
+                try:
+                    graph, out = self._capture_one(n, self._meta(n), 0, stream)
+                finally:
+                    self.lora_mapping.graph_kernels = True
+                self.base_outputs[n] = out
+                self.base_graphs[n] = graph
             else:
                 if warm:
                     inp.pad_decode(0, n)
@@ -236,9 +254,13 @@ class CUDAGraphRunner:
         self.mixed_graphs[t].replay()
         return self.mixed_outputs[t][:num_tokens]
 
-    def replay(self, num_reqs: int) -> torch.Tensor:
-        """Inputs for num_reqs decode rows are already in the buffers; returns their hidden states."""
+    def replay(self, num_reqs: int, adapters: bool = True) -> torch.Tensor:
+        """Inputs for num_reqs decode rows are already in the buffers; returns their hidden states. adapters=False
+        (a LoRA engine's step without any): the graph without the LoRA kernels, once captured."""
         bs = self.padded_size(num_reqs)
         self.inputs.pad_decode(num_reqs, bs)
+        if not adapters and bs in self.base_graphs:
+            self.base_graphs[bs].replay()
+            return self.base_outputs[bs][:num_reqs]
         self.graphs[bs].replay()
         return self.outputs[bs][:num_reqs]

@@ -204,8 +204,9 @@ class ModelRunner:
         self.first_step_launched = threading.Event()
         self.warmup_seconds = 0.0 if background else self._warm_up_kernels()  # start-up's share
         if graphs:
+            lora_mapping = self.lora.mapping if self.lora is not None and self.lora.mapping.use_kernels else None
             self.graph_runner = CUDAGraphRunner(self.model, self.inputs, self.backend, sc.max_num_seqs,
-                                                mc.max_model_len)
+                                                mc.max_model_len, lora_mapping)
             if not background:
                 self.graph_runner.capture()
         if self.draft is not None:  # its graphs: decode passes over its buffers, each step's forward over these
@@ -393,7 +394,7 @@ class ModelRunner:
         graphs = self.graph_runner
         if graphs is not None:
             if batch.meta[0].decode_only and graphs.padded_size(batch.num_reqs):
-                return graphs.replay(batch.num_reqs)
+                return graphs.replay(batch.num_reqs, self.lora is None or self.lora.mapping.num_groups > 0)
             if not batch.meta[0].decode_only and graphs.mixed_size(batch.num_tokens, batch.num_reqs):
                 return graphs.replay_mixed(batch.num_tokens, batch.num_reqs)
         return self.model(self.inputs.input_ids[:n], self.inputs.model_positions(n), batch.meta)

@@ -40,7 +40,7 @@ class RecordingGraphs:
     records how many adapters each replayed step had."""
 
     def __init__(self, runner) -> None:
-        self.runner, self.replays, self.meta = runner, [], None
+        self.runner, self.replays, self.adapter_flags, self.meta = runner, [], [], None
         prepare = runner.prepare_inputs
 
         def remember_meta(*args):
@@ -58,8 +58,9 @@ class RecordingGraphs:
     def mixed_padding(self, num_tokens: int, num_reqs: int) -> None:
         return None
 
-    def replay(self, num_reqs: int) -> torch.Tensor:
+    def replay(self, num_reqs: int, adapters: bool = True) -> torch.Tensor:
         self.replays.append(self.runner.lora.mapping.num_groups)
+        self.adapter_flags.append(adapters)
         inputs = self.runner.inputs
         return self.runner.model(inputs.input_ids[:num_reqs], inputs.positions[:num_reqs], self.meta)
 
@@ -77,6 +78,13 @@ def test_decode_steps_with_adapters_take_the_graph_path(tmp_path):
     engine.kv_cache_manager.reset_prefix_cache()
     assert run_engine(engine, WORKLOAD, show_progress=False, loras=_loras(adapters)) == eager
     assert graphs.replays and max(graphs.replays) == 2  # decode steps with both adapters were replayed
+    # a step without adapters asks for the graph without the LoRA kernels, a step with some for the other
+    assert graphs.adapter_flags == [n > 0 for n in graphs.replays]
+    graphs.replays.clear()
+    graphs.adapter_flags.clear()
+    base = run_engine(engine, WORKLOAD, show_progress=False)  # no adapter at all: the adapter-free graphs
+    assert graphs.adapter_flags and not any(graphs.adapter_flags)
+    assert base != eager
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

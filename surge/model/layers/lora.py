@@ -40,6 +40,7 @@ class LoRAMapping:
         self.groups_t[0].fill_(-1)
         self.slot_ids, self.group_start, self.group_len = self.groups_t.unbind(0)
         self.num_groups = 0  # adapters in the step (0: nothing to add)
+        self.graph_kernels = True  # False while the graph runner captures its adapter-free decode graphs
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # host: (slot, token indices; None: every token)
         self._staging = [None, None]  # host buffers (pinned on CUDA), used in turn: a copy may still read the other
         self._turn = 0
@@ -119,8 +120,11 @@ class LinearLoRA:
     def add_(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y += this step's adapters' deltas, token by token."""
         m = self.mapping
-        if not m.num_groups and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return  # no adapter in this step, and no graph recording the launches for steps that have some
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            if not m.graph_kernels:
+                return  # a graph for steps without adapters: nothing to record
+        elif not m.num_groups:
+            return  # no adapter in this step (a graph being captured records the launches for steps with some)
         if m.use_kernels:
             from surge.kernels.lora import lora_expand, lora_shrink, shrink_buffer  # Triton (CUDA, or interpreted)
 
