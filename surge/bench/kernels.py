@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from surge.bench.paged_blocks import scattered_blocks
+
 HQ, HKV, HEAD_DIM, HIDDEN, INTERMEDIATE, VOCAB = 32, 8, 128, 4096, 12288, 151936
 DTYPE = torch.bfloat16
 failures: list[str] = []
@@ -124,17 +126,7 @@ def _attention_batch(requests: list[tuple[int, int]], block_size: int = 16):
     """requests: (cached context, new tokens). A cache with scattered blocks; returns what the backends take."""
     from surge.attention.backend import AttentionMetadata
 
-    blocks_per = [math.ceil((c + n) / block_size) for c, n in requests]
-    num_blocks = 1 + sum(blocks_per)
-    perm = (torch.randperm(num_blocks - 1) + 1).int()
-    table = torch.zeros(len(requests), max(blocks_per), dtype=torch.int32)
-    slots, qsl, start = [], [0], 0
-    for i, ((c, n), nb) in enumerate(zip(requests, blocks_per)):
-        table[i, :nb] = perm[start:start + nb]
-        start += nb
-        pos = torch.arange(c, c + n)
-        slots.append(table[i, pos // block_size].long() * block_size + pos % block_size)
-        qsl.append(qsl[-1] + n)
+    num_blocks, table, slots, qsl = scattered_blocks(requests, block_size)
     cache = torch.randn(2, num_blocks, block_size, HKV, HEAD_DIM, device="cuda", dtype=DTYPE)
     t = qsl[-1]
     q = torch.randn(t, HQ, HEAD_DIM, device="cuda", dtype=DTYPE)

@@ -3,10 +3,11 @@ V3's (128 heads) attention over the latent cache, GB/s against the bytes it must
 every position, kv_lora_rank + qk_rope_head_dim values each, plus the queries), checked against the torch path."""
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
+
+from surge.bench.paged_blocks import scattered_blocks
 
 LORA, ROPE, NOPE, V_DIM, BLOCK = 512, 64, 128, 128, 16  # BLOCK: the engine's default cache block
 DTYPE = torch.bfloat16
@@ -17,17 +18,7 @@ def _mla_batch(requests: list[tuple[int, int]], heads: int):
     queries, kv_b_proj's weight and the metadata."""
     from surge.attention.torch_backend import TorchAttentionMetadata
 
-    blocks_per = [math.ceil((c + n) / BLOCK) for c, n in requests]
-    num_blocks = 1 + sum(blocks_per)
-    perm = (torch.randperm(num_blocks - 1) + 1).int()
-    table = torch.zeros(len(requests), max(blocks_per), dtype=torch.int32)
-    slots, qsl, start = [], [0], 0
-    for i, ((c, n), nb) in enumerate(zip(requests, blocks_per)):
-        table[i, :nb] = perm[start:start + nb]
-        start += nb
-        pos = torch.arange(c, c + n)
-        slots.append(table[i, pos // BLOCK].long() * BLOCK + pos % BLOCK)
-        qsl.append(qsl[-1] + n)
+    num_blocks, table, slots, qsl = scattered_blocks(requests, BLOCK)
     cache = torch.randn(1, num_blocks, BLOCK, 1, LORA + ROPE, device="cuda", dtype=DTYPE)
     t = qsl[-1]
     q = torch.randn(t, heads, NOPE + ROPE, device="cuda", dtype=DTYPE)

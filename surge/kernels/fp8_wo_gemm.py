@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-SCALE_BLOCK = 128
+from surge.kernels.gemv import SCALE_BLOCK, check_fp8_weight
+
 MAX_ROWS = 128  # the widest BLOCK_T; beyond it, torch._scaled_mm
 
 
@@ -103,13 +104,7 @@ def fp8_wo_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     the output's dtype."""
     m, k = x.shape
     n = weight.shape[0]
-    if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (n, k) or weight.stride(1) != 1:
-        raise ValueError(f"weight must be float8_e4m3fn [N, K={k}] with unit stride on K, got {weight.dtype} "
-                         f"{tuple(weight.shape)}")
-    expected = (triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK)) if block_scales else (n, 1)
-    if tuple(weight_scale.shape) != expected or weight_scale.dtype != torch.float32:
-        raise ValueError(f"weight_scale must be float32 {expected}, got {weight_scale.dtype} "
-                         f"{tuple(weight_scale.shape)}")
+    check_fp8_weight(weight, weight_scale, k, block_scales)
     if x.stride(1) != 1:
         x = x.contiguous()
     x_fp8 = x_scale is not None

@@ -94,6 +94,19 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def check_fp8_weight(weight: torch.Tensor, weight_scale: torch.Tensor, k: int, block_scales: bool) -> None:
+    """An fp8 weight [N, K] with unit stride on K and its float32 scales ([N, 1] per row, or [ceil(N / 128),
+    ceil(K / 128)] blocks), or a ValueError naming what does not fit (this GEMV's and fp8_wo_gemm's)."""
+    n = weight.shape[0]
+    if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (n, k) or weight.stride(1) != 1:
+        raise ValueError(f"weight must be float8_e4m3fn [N, K={k}] with unit stride on K, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    expected = (triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK)) if block_scales else (n, 1)
+    if tuple(weight_scale.shape) != expected or weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale must be float32 {expected}, got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
              block_scales: bool = False, launch: GemvLaunch | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS; bf16, fp16 or fp32), weight float8_e4m3fn [N, K], weight_scale float32 [N, 1] or,
@@ -102,13 +115,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     n = weight.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"fp8_gemv takes up to {MAX_ROWS} rows, got {m}")
-    if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (n, k) or weight.stride(1) != 1:
-        raise ValueError(f"weight must be float8_e4m3fn [N, K={k}] with unit stride on K, got {weight.dtype} "
-                         f"{tuple(weight.shape)}")
-    expected = (triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK)) if block_scales else (n, 1)
-    if tuple(weight_scale.shape) != expected or weight_scale.dtype != torch.float32:
-        raise ValueError(f"weight_scale must be float32 {expected}, got {weight_scale.dtype} "
-                         f"{tuple(weight_scale.shape)}")
+    check_fp8_weight(weight, weight_scale, k, block_scales)
     if x.stride(1) != 1:
         x = x.contiguous()
     if m == 0:

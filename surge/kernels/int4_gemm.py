@@ -127,16 +127,14 @@ def _sum_splits_kernel(partial_ptr, bias_ptr, out_ptr, numel, N, SPLIT_K: tl.con
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, *, bits: int,
-             group_size: int, zero_point: torch.Tensor | None = None, input_perm: torch.Tensor | None = None,
-             bias: torch.Tensor | None = None, launch: IntGemmLaunch | None = None) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ W.T (+ bias [N]) in x's dtype (bf16, fp16 or fp32), W in the canonical layout above
-    (quant_reference.int_gemm is the definition). group_size: 32, 64, 128 ... (K a multiple of it) or K
-    (channel-wise; K a multiple of 32 / bits)."""
+def check_int_operands(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, bits: int,
+                       group_size: int, zero_point: torch.Tensor | None, kernel: str) -> tuple[int, int]:
+    """(K, N) of an int GEMM's operands in the canonical layout, or a ValueError naming what does not fit (shared by
+    int_gemm and int_gemv.int_gemv, `kernel` naming which)."""
     if bits not in (4, 8):
-        raise ValueError(f"bits={bits} is not supported: the int GEMM reads 4- or 8-bit weights")
+        raise ValueError(f"bits={bits} is not supported: the {kernel} reads 4- or 8-bit weights")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"x of dtype {x.dtype}: the int GEMM takes bf16, fp16 or fp32 activations")
+        raise ValueError(f"x of dtype {x.dtype}: the {kernel} takes bf16, fp16 or fp32 activations")
     k = x.shape[-1]
     n = weight_packed.shape[0]
     groups = triton.cdiv(k, group_size)
@@ -148,6 +146,16 @@ def int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.T
                          f"expected [{n}, {groups}] and K a multiple of the group")
     if zero_point is not None and tuple(zero_point.shape) != (n, groups):
         raise ValueError(f"zero_point {tuple(zero_point.shape)}, expected [{n}, {groups}] (unpacked, uint8)")
+    return k, n
+
+
+def int_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, *, bits: int,
+             group_size: int, zero_point: torch.Tensor | None = None, input_perm: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None, launch: IntGemmLaunch | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W.T (+ bias [N]) in x's dtype (bf16, fp16 or fp32), W in the canonical layout above
+    (quant_reference.int_gemm is the definition). group_size: 32, 64, 128 ... (K a multiple of it) or K
+    (channel-wise; K a multiple of 32 / bits)."""
+    k, n = check_int_operands(x, weight_packed, weight_scale, bits, group_size, zero_point, "int GEMM")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from surge.kernels.int4_gemm import check_int_operands
+
 MAX_ROWS = 4  # the W4A16 methods use this kernel up to here; int_gemm's tensor-core tiles beyond
 MAX_M = 16  # the kernel's own limit (registers grow with M)
 MAX_SPLIT_K = 8
@@ -205,21 +207,7 @@ def int_gemv(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.T
              bias: torch.Tensor | None = None, launch: IntGemvLaunch | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T (+ bias [N]) in x's dtype (bf16, fp16 or fp32) for up to MAX_M rows of x, W in
     the canonical layout (quant_reference.int_gemm is the definition; the arguments are int4_gemm.int_gemm's)."""
-    if bits not in (4, 8):
-        raise ValueError(f"bits={bits} is not supported: the int GEMV reads 4- or 8-bit weights")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"x of dtype {x.dtype}: the int GEMV takes bf16, fp16 or fp32 activations")
-    k = x.shape[-1]
-    n = weight_packed.shape[0]
-    groups = triton.cdiv(k, group_size)
-    if weight_packed.dtype != torch.int32 or tuple(weight_packed.shape) != (n, k * bits // 32) or k * bits % 32:
-        raise ValueError(f"weight_packed {weight_packed.dtype} {tuple(weight_packed.shape)} does not hold [N, K = {k}] "
-                         f"{bits}-bit values packed along K in int32")
-    if (group_size < k and k % group_size) or tuple(weight_scale.shape) != (n, groups):
-        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} with group_size={group_size} does not fit K={k}: "
-                         f"expected [{n}, {groups}] and K a multiple of the group")
-    if zero_point is not None and tuple(zero_point.shape) != (n, groups):
-        raise ValueError(f"zero_point {tuple(zero_point.shape)}, expected [{n}, {groups}] (unpacked, uint8)")
+    k, n = check_int_operands(x, weight_packed, weight_scale, bits, group_size, zero_point, "int GEMV")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
