@@ -26,20 +26,13 @@ from surge.core.kv_cache.spec import CompressedEntrySpec, SlidingTokenRowSpec
 from surge.model.loader.base import build_model
 from surge.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 from surge.model.models.registry import MODEL_REGISTRY
-from tiny_dsv4 import make_tiny_model
+from tiny_dsv4 import hf_indexer_ties_to_lower_index, make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def ties_to_lower_index():
-    scorer = hf_v4.DeepseekV4IndexerScorer.forward
-
-    def forward(self, q, compressed_kv, hidden_states):
-        scores = scorer(self, q, compressed_kv, hidden_states)
-        return scores - torch.arange(scores.shape[-1], dtype=scores.dtype) * 1e-30
-
-    hf_v4.DeepseekV4IndexerScorer.forward = forward
-    yield
-    hf_v4.DeepseekV4IndexerScorer.forward = scorer
+    with hf_indexer_ties_to_lower_index():
+        yield
 
 
 @pytest.fixture(scope="module", params=["deepseek-v4"])

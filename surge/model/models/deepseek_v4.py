@@ -49,7 +49,7 @@ from surge.model.layers.moe import FusedMoE, uniform_random_routing
 from surge.model.layers.rotary import RotaryEmbedding, rope_parameters
 
 _SCORES = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
-_RATE_KEYS = ("compressed_sparse_attention", "heavily_compressed_attention")
+COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
 
 
 def _fp32(*shape: int) -> nn.Parameter:
@@ -318,12 +318,14 @@ def _copy_buffer(buffer: torch.Tensor, loaded: torch.Tensor, shard_id: object = 
 
 
 class DeepseekV4Layer(nn.Module):
-    def __init__(self, tc, index: int, rotaries: dict[str, RotaryEmbedding]) -> None:
+    """layer_type: one of layer_types' values; mlp_type: one of mlp_layer_types'."""
+
+    def __init__(self, tc, layer_type: str, mlp_type: str, rotaries: dict[str, RotaryEmbedding]) -> None:
         super().__init__()
-        layer_type, n, hidden = tc.layer_types[index], tc.hc_mult, tc.hidden_size
+        n, hidden = tc.hc_mult, tc.hidden_size
         self.attn = DeepseekV4Attention(tc, layer_type, rotaries["main" if layer_type == "sliding_attention"
                                                                  else "compress"])
-        self.ffn = DeepseekV4MoE(tc, tc.mlp_layer_types[index] == "hash_moe")
+        self.ffn = DeepseekV4MoE(tc, mlp_type == "hash_moe")
         self.attn_norm, self.ffn_norm = RMSNorm(hidden, tc.rms_norm_eps), RMSNorm(hidden, tc.rms_norm_eps)
         mixes = (2 + n) * n
         for site in ("attn", "ffn"):
@@ -356,6 +358,12 @@ class HyperHead(nn.Module):
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
+def make_rotaries(tc, max_model_len: int) -> dict[str, RotaryEmbedding]:
+    """The sliding layers' rope ("main") and the compressed layers' ("compress"), as DeepseekV4Layer reads them."""
+    return {kind: RotaryEmbedding(tc.head_dim, max_model_len, rope_parameters(tc, kind), interleaved=True)
+            for kind in ("main", "compress")}
+
+
 _EXPERT = re.compile(r"^(?P<prefix>layers\.\d+\.ffn\.experts)\.(?P<expert>\d+)\.w(?P<w>[123])\.weight$")
 
 
@@ -373,10 +381,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.check_config(tc)
         hidden = tc.hidden_size
         self.embed_tokens = VocabParallelEmbedding(tc.vocab_size, hidden)
-        rotaries = {kind: RotaryEmbedding(tc.head_dim, config.max_model_len, rope_parameters(tc, kind),
-                                          interleaved=True) for kind in ("main", "compress")}
+        rotaries = make_rotaries(tc, config.max_model_len)
         self.rotary_main, self.rotary_compress = rotaries["main"], rotaries["compress"]
-        self.layers = nn.ModuleList(DeepseekV4Layer(tc, i, rotaries) for i in range(tc.num_hidden_layers))
+        self.layers = nn.ModuleList(DeepseekV4Layer(tc, tc.layer_types[i], tc.mlp_layer_types[i], rotaries)
+                                    for i in range(tc.num_hidden_layers))
         self.hc_head = HyperHead(tc.hc_mult, hidden, tc.hc_eps, tc.rms_norm_eps)
         self.norm = RMSNorm(hidden, tc.rms_norm_eps)
         self.lm_head = self.make_lm_head(self.embed_tokens)
@@ -391,7 +399,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         if cfg_get(tc, "rope_parameters", {}).get("main", {}).get("rope_type", "default") != "default":
             raise refuse("rope_parameters.main.rope_type", tc.rope_parameters["main"]["rope_type"], "'default'")
         rates = tc.compress_rates
-        for kind in set(tc.layer_types) & set(_RATE_KEYS):
+        for kind in set(tc.layer_types) & set(COMPRESSED_LAYER_TYPES):
             if not (isinstance(rates.get(kind), int) and rates[kind] > 0):
                 raise refuse(f"compress_rates.{kind}", rates.get(kind), "a positive integer")
         if not (isinstance(tc.sliding_window, int) and tc.sliding_window > 0):
@@ -415,11 +423,16 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata],
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden state handed out is the last layer's streams, flattened [T, hc_mult * hidden]: the head
+        collapses them (compute_logits), as DeepSeek's does, and an MTP draft reads them whole (deepseek_v4_mtp.py)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         streams = x.unsqueeze(1).expand(-1, self.tc.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(positions, streams, input_ids, meta)
-        return self.norm(self.hc_head(streams))
+        return streams.flatten(1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(self.norm(self.hc_head(hidden.view(hidden.shape[0], self.tc.hc_mult, -1))))
 
     def checkpoint_name_to_param(self, name: str):
         mapped = super().checkpoint_name_to_param(name)
