@@ -119,8 +119,8 @@ def make_tiny_v4_mtp_model(path: Path, mtp: str, seed: int = 0, copies: bool = F
             emb = hf.model.embed_tokens.weight
             emb.div_(emb.pow(2).mean(-1, keepdim=True).sqrt())
             hf.save_pretrained(path)
-            block = {n.removeprefix("model.layers.0."): t for n, t in load_file(str(path / "model.safetensors")).items()
-                     if n.startswith("model.layers.0.")}
+            saved = load_file(str(path / "model.safetensors"))
+            block = {n.removeprefix("model.layers.0."): t for n, t in saved.items() if n.startswith("model.layers.0.")}
             own = {"e_proj.weight": torch.eye(hidden), "h_proj.weight": torch.zeros(hidden, hidden),
                    "enorm.weight": torch.ones(hidden), "hnorm.weight": torch.ones(hidden),
                    "norm.weight": hf.model.norm.weight.clone(), "hc_head_fn": hf.model.hc_head.hc_fn.clone(),
@@ -129,8 +129,8 @@ def make_tiny_v4_mtp_model(path: Path, mtp: str, seed: int = 0, copies: bool = F
             one = tiny_config("deepseek-v4")  # a CSA layer with routed MoE, randomized by the same rules
             one.num_hidden_layers, one.layer_types, one.mlp_layer_types = 1, ["compressed_sparse_attention"], ["moe"]
             donor = make_tiny_model_of(one, path.parent / f"{path.name}-mtp-donor", seed + 1)
-            block = {n.removeprefix("model.layers.0."): t for n, t in load_file(str(donor / "model.safetensors")).items()
-                     if n.startswith("model.layers.0.")}
+            saved = load_file(str(donor / "model.safetensors"))
+            block = {n.removeprefix("model.layers.0."): t for n, t in saved.items() if n.startswith("model.layers.0.")}
             own = {"e_proj.weight": torch.randn(hidden, hidden, generator=g) * hidden ** -0.5,
                    "h_proj.weight": torch.randn(hidden, hidden, generator=g) * hidden ** -0.5,
                    "enorm.weight": torch.rand(hidden, generator=g) + 0.5,

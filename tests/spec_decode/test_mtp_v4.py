@@ -215,3 +215,29 @@ def test_a_layer_with_its_own_head_is_refused(tmp_path):
     save_file(tensors, str(file))
     with pytest.raises(ValueError, match="own head, which differs from the target's"):
         LLM(str(path), speculative_config=_spec(1), **BASE, **ENGINES["plain"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/h200 v4-model-tests)")
+def test_on_cuda(checkpoints):
+    """On the GPU, float32 (V4's attention is the host path, eager): greedy identical to no speculation with either
+    layer, the copy's drafts accepted, and every draft of the random layer equal to the reference."""
+    cuda = {**BASE, **ENGINES["plain"], "device": "cuda", "dtype": "float32", "kv_cache_memory": 1 << 26}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for kind in ("copy", "random"):
+        path = checkpoints[kind]
+        ref = LLM(str(path), **cuda).generate(_prompts(), params, use_tqdm=False)
+        llm = LLM(str(path), speculative_config=_spec(2), **cuda)
+        seen = _record_proposals(llm)
+        outs, (proposed, accepted) = _generate(llm, _prompts(), params)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+        assert proposed > 0 and (accepted > proposed // 2 or kind == "random")
+        if kind == "random":
+            with hf_indexer_ties_to_lower_index():
+                reference = Reference(path)
+                for tokens, drafts in seen:
+                    expect, margins = reference.drafts(tokens, len(drafts))
+                    for got, want, margin in zip(drafts, expect, margins):
+                        if margin > 1e-4:
+                            assert got == want, (tokens, drafts, expect)
+                        if got != want:
+                            break
