@@ -258,13 +258,13 @@ class DeepseekV4Attention(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """Split like a dense MLP (the clamps are per intermediate channel): w1 and w3's rows, w2's columns, summed in
-    w2's all-reduce."""
+    """Split like a dense MLP (the clamps are per intermediate channel): w1 and w3's rows, w2's columns. Its output
+    is this rank's partial sum, which DeepseekV4MoE adds to the routed experts' before their one all-reduce."""
 
     def __init__(self, hidden: int, intermediate: int, limit: float) -> None:
         super().__init__()
         self.w1, self.w3 = ColumnParallelLinear(hidden, intermediate), ColumnParallelLinear(hidden, intermediate)
-        self.w2 = RowParallelLinear(intermediate, hidden)
+        self.w2 = RowParallelLinear(intermediate, hidden, reduce_results=False)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -275,7 +275,8 @@ class DeepseekV4MoE(nn.Module):
     """Routed experts (scores by scoring_func; the top num_experts_per_tok of score + correction bias, or the
     token's row of tid2eid in a hash layer; weights renormalized, times routed_scaling_factor) plus a shared one.
     The router and the hash table are replicated (every rank routes every token alike); the routed experts split as
-    FusedMoE does (a slice of each, or whole experts with expert parallelism), their partial sums all-reduced."""
+    FusedMoE does (a slice of each, or whole experts with expert parallelism); their partial sums and the shared
+    expert's are all-reduced once."""
 
     def __init__(self, tc, hashed: bool) -> None:
         super().__init__()
@@ -301,14 +302,14 @@ class DeepseekV4MoE(nn.Module):
         scores = self.score(F.linear(x, self.gate.weight))
         if self.routing_simulation == "uniform_random":  # hash layers too: their table is random weights as well
             weights, ids = uniform_random_routing(scores, self.top_k, x.dtype)
-            return get_tp_group().all_reduce(self.experts(x, weights * self.scaling, ids)) + self.shared_experts(x)
+            return get_tp_group().all_reduce(self.experts(x, weights * self.scaling, ids) + self.shared_experts(x))
         if self.hashed:
             ids = self.gate.tid2eid[input_ids].long()
         else:
             ids = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
-        return get_tp_group().all_reduce(self.experts(x, weights, ids)) + self.shared_experts(x)
+        return get_tp_group().all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))
 
 
 def _copy_buffer(buffer: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
