@@ -88,15 +88,20 @@ class DraftModel:
         self.graph_safe = backend.supports_cuda_graphs_for(
             tuple(dict.fromkeys(attn.params for attn in self.model.attention_layers())))
         windows = {getattr(g.spec, "sliding_window", None): g.group_id for g in target.groups}
+        specs = {g.spec: g.group_id for g in target.groups}
+        dtype = cc.cache_dtype(mc.dtype)
         for layer_id, attn in enumerate(self.model.attention_layers()):
+            # A layer of the target's own kind (an MTP layer: DeepSeek V4's token rows and compressed entries,
+            # whose groups differ by more than a window) goes to the group of its very spec; another draft's, to
+            # the group keeping what its window reads.
+            group_id = specs.get(attn.kv_cache_spec(cc.block_size, dtype))
             window = attn.sliding_window
-            if window not in windows:
+            if group_id is None and window not in windows:
                 kind = "full attention" if window is None else f"a sliding window of {window}"
                 raise ValueError(f"speculative_config.model={self.config.model_config.model!r}: its layer {layer_id} "
                                  f"has {kind}, which no KV cache group of the target has (the draft shares the "
                                  "target's block tables)")
-            group = target.groups[windows[window]]
-            dtype = cc.cache_dtype(mc.dtype)
+            group = target.groups[windows[window] if group_id is None else group_id]
             shape = backend.kv_cache_shape(target.num_blocks_of(group.group_id),
                                            attn.kv_cache_spec(group.spec.block_size, dtype))
             cache = torch.zeros(shape, dtype=dtype, device=self.device)

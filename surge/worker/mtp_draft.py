@@ -1,11 +1,13 @@
 """The MTP proposer (speculative_config method "deepseek_mtp"): the target checkpoint's multi-token-prediction layer
-(surge/model/models/deepseek_mtp.py) as a draft model. DraftModel's machinery runs it (its KV cache layer in the
-target's blocks, the verdict's start points, the decode passes, derived parallel config), with two differences.
+(surge/model/models/deepseek_mtp.py for V3, deepseek_v4_mtp.py for V4) as a draft model. DraftModel's machinery
+runs it (its KV cache layers in the target's blocks, the verdict's start points, the decode passes, derived parallel
+config), with two differences.
 
-- Its forward over the step's tokens reads the target's final hidden states and, at each position, the token after
-  it, so it runs after sampling. A row's token is the step's next one; a prefill chunk's last row takes the prompt's
-  next token; a sampling request's row at its last accepted position takes the token after it (the sampler's, or
-  the verdict's bonus token, on the device), and that row's output gives the first draft. Rows past it (rejected
+- Its forward over the step's tokens reads the target's final hidden states (what the target's forward hands out:
+  V4's are its hyper-connection streams) and, at each position, the token after it, so it runs after sampling. A
+  row's token is the step's next one; a prefill chunk's last row takes the prompt's next token; a sampling
+  request's row at its last accepted position takes the token after it (the sampler's, or the verdict's bonus
+  token, on the device), and that row's output gives the first draft. Rows past it (rejected
   drafts) get whatever follows: their KV is rewritten by the request's next step, which starts there.
 - Its k - 1 other drafts come from decode passes that each feed the draft before with the pass before's hidden
   state (the layer's own output standing in for the target's).

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
+import hf_parity
 from hf_parity import check_all, check_every_step
 from surge import LLM
 from surge.config import ModelConfig
@@ -25,20 +26,13 @@ from surge.core.kv_cache.spec import CompressedEntrySpec, SlidingTokenRowSpec
 from surge.model.loader.base import build_model
 from surge.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 from surge.model.models.registry import MODEL_REGISTRY
-from tiny_dsv4 import make_tiny_model
+from tiny_dsv4 import hf_indexer_ties_to_lower_index, make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def ties_to_lower_index():
-    scorer = hf_v4.DeepseekV4IndexerScorer.forward
-
-    def forward(self, q, compressed_kv, hidden_states):
-        scores = scorer(self, q, compressed_kv, hidden_states)
-        return scores - torch.arange(scores.shape[-1], dtype=scores.dtype) * 1e-30
-
-    hf_v4.DeepseekV4IndexerScorer.forward = forward
-    yield
-    hf_v4.DeepseekV4IndexerScorer.forward = scorer
+    with hf_indexer_ties_to_lower_index():
+        yield
 
 
 @pytest.fixture(scope="module", params=["deepseek-v4"])
@@ -56,6 +50,26 @@ def test_deepseek_v4_yarn_compress_rope_matches_hf(tmp_path, ties_to_lower_index
     leave the sliding layers' plain."""
     path = make_tiny_model("deepseek-v4-yarn", tmp_path)
     check_every_step("deepseek-v4-yarn", path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
+def test_deepseek_v4_tp2_matches_one_rank(tiny, expert_parallel):
+    """Two ranks (gloo): query heads, their sinks and output groups split, the shared key-value head, compressors,
+    indexer and hyper-connections replicated, each rank's slice of every expert (or its whole experts) and of the
+    shared one: greedy tokens identical to one rank's through every layer type and both MLP types (prompts of 5 to
+    33 tokens cross several compression windows), top-2 logprobs close."""
+    _, path, _ = tiny
+    hf_parity.check_two_ranks_decode_as_one(str(path), expert_parallel=expert_parallel)
+
+
+@pytest.mark.parametrize("field,value", [("num_attention_heads", 3), ("o_groups", 1), ("moe_intermediate_size", 33)])
+def test_deepseek_v4_refuses_what_does_not_split(tmp_path, field, value):
+    from surge.config import ParallelConfig
+
+    path = make_tiny_model("deepseek-v4", tmp_path)
+    config = _model_config(path, **{field: value})
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size=2 does not divide the model's {field}={value}"):
+        DeepseekV4ForCausalLM.check_parallel(config, ParallelConfig(tensor_parallel_size=2))
 
 
 def test_deepseek_v4_cache_groups(tiny):

@@ -272,10 +272,13 @@ class RowParallelLinear(Linear):
     products are summed over the ranks. The bias is added once, by rank 0, before the sum."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 input_shard: tuple[int, int] | None = None) -> None:
-        """input_shard: (first input feature, count) of this rank when the split is not even (attention heads)."""
+                 input_shard: tuple[int, int] | None = None, reduce_results: bool = True) -> None:
+        """input_shard: (first input feature, count) of this rank when the split is not even (attention heads).
+        reduce_results False: each rank's partial product is returned unsummed, for a caller that adds other
+        partials (a MoE's shared expert beside its routed ones) before one all-reduce of their sum."""
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
+        self.reduce_results = reduce_results
         self.full_in_features = in_features
         if input_shard is None:
             size = _split(in_features, self.tp_size, "input size")
@@ -304,4 +307,4 @@ class RowParallelLinear(Linear):
         out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         if self.lora is not None:  # before the sum: each rank's share of the delta
             self.lora.add_(out, x)
-        return out if self.tp_size == 1 else get_tp_group().all_reduce(out)
+        return out if self.tp_size == 1 or not self.reduce_results else get_tp_group().all_reduce(out)

@@ -14,9 +14,15 @@ attention is plain torch on every device, so no CUDA graphs yet.
 
 Checkpoint names: DeepSeek's (`layers.N.attn.wq_a`, `ffn.experts.E.w1` ...), as transformers' save_pretrained writes
 them (under `model.`, with `head.weight`) and as the released checkpoints do (no prefix, `embed.weight`,
-`attn.kv_norm.weight`, `hc_head_fn`); MTP layers (`mtp.*`) are skipped. Config fields the math does not read in HF
-either: norm_topk_prob (weights are always renormalized over the chosen experts), n_shared_experts (one shared
-expert of moe_intermediate_size), num_key_value_heads (one shared head).
+`attn.kv_norm.weight`, `hc_head_fn`); MTP layers (`mtp.*`) are skipped here, loaded by DeepseekV4MTP
+(deepseek_v4_mtp.py) as the draft of speculative_config method "deepseek_mtp".
+
+Tensor and expert parallelism: the query heads and the output groups split, the one shared key-value head and
+everything that makes or reads its caches (compressors, indexer) replicated, the experts split as FusedMoE does;
+DeepseekV4Attention, DeepseekV4MoE and check_parallel say why and what must divide.
+
+Config fields the math does not read in HF either: norm_topk_prob (weights are always renormalized over the chosen
+experts), n_shared_experts (one shared expert of moe_intermediate_size), num_key_value_heads (one shared head).
 """
 from __future__ import annotations
 
@@ -32,17 +38,18 @@ from surge.attention.backend import AttentionMetadata
 from surge.attention.deepseek_v4 import (RowLayout, WindowCompressor, close_windows, entry_slots, rows_of,
                                          select_entries, sink_attention, slots_of)
 from surge.core.kv_cache.spec import CompressedEntrySpec, KVCacheSpec, SlidingTokenRowSpec
+from surge.distributed.parallel_state import get_tp_group
 from surge.kernels.deepseek_v4_reference import mhc_post, mhc_pre
 from surge.kernels.reference import rotate_interleaved
 from surge.model.arch import CausalLM, WeightMapper, cfg_get, refuse, require
 from surge.model.layers.attention import Attention
 from surge.model.layers.embedding import VocabParallelEmbedding
-from surge.model.layers.linear import Linear
+from surge.model.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from surge.model.layers.moe import FusedMoE, uniform_random_routing
 from surge.model.layers.rotary import RotaryEmbedding, rope_parameters
 
 _SCORES = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
-_RATE_KEYS = ("compressed_sparse_attention", "heavily_compressed_attention")
+COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
 
 
 def _fp32(*shape: int) -> nn.Parameter:
@@ -141,23 +148,44 @@ class EntryRows(Attention):
                                    compress_rate=self.layout.rate)
 
 
+def _rank_slice(rank: int, world_size: int, size: int):
+    """A weight loader keeping rows [rank * size, (rank + 1) * size) of a per-head checkpoint tensor."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if tuple(loaded.shape) != (world_size * size,):
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)}, expected ({world_size * size},) "
+                             f"(this rank's {size} rows at {rank * size})")
+        param.data.copy_(loaded.narrow(0, rank * size, size))
+    return load
+
+
 class DeepseekV4Attention(nn.Module):
+    """Tensor parallelism (check_parallel refuses what does not split): each rank keeps num_attention_heads / tp
+    query heads (wq_b's rows, their sinks) and o_groups / tp output groups, the groups holding exactly those heads'
+    channels (wo_a's group-major rows, wo_b's input columns; one all-reduce, in wo_b). Replicated: the low-rank query
+    (wq_a, q_norm: every head and the indexer read all of it), the one shared key-value head (wkv, norm) and its token
+    rows, the compressors and their entries (they pool that one head), and the indexer: its top-k needs every index
+    head's score summed, so a split would add an all-reduce of [tokens, entries] scores per layer, and a replicated one
+    makes the same choice on every rank without any."""
+
     def __init__(self, tc, layer_type: str, rotary: RotaryEmbedding) -> None:
         super().__init__()
         hidden, heads, d, eps = tc.hidden_size, tc.num_attention_heads, tc.head_dim, tc.rms_norm_eps
-        self.num_heads, self.head_dim, self.eps, self.window = heads, d, eps, tc.sliding_window
-        self.groups, self.o_rank = tc.o_groups, tc.o_lora_rank
-        if heads * d % self.groups:
-            raise ValueError(f"config field o_groups={self.groups} must divide num_attention_heads * head_dim = "
+        tp = get_tp_group()
+        self.num_heads, self.head_dim, self.eps, self.window = heads // tp.world_size, d, eps, tc.sliding_window
+        self.groups, self.o_rank = tc.o_groups // tp.world_size, tc.o_lora_rank
+        if heads * d % tc.o_groups:
+            raise ValueError(f"config field o_groups={tc.o_groups} must divide num_attention_heads * head_dim = "
                              f"{heads * d}")
         self.wq_a = Linear(hidden, tc.q_lora_rank)
         self.q_norm = RMSNorm(tc.q_lora_rank, eps)
-        self.wq_b = Linear(tc.q_lora_rank, heads * d)
+        self.wq_b = ColumnParallelLinear(tc.q_lora_rank, heads * d)
         self.wkv = Linear(hidden, d)
         self.norm = RMSNorm(d, eps)
-        self.wo_a = Linear(heads * d // self.groups, self.groups * self.o_rank)
-        self.wo_b = Linear(self.groups * self.o_rank, hidden)
-        self.attn_sink = _fp32(heads)
+        self.wo_a = ColumnParallelLinear(heads * d // tc.o_groups, tc.o_groups * self.o_rank)
+        self.wo_b = RowParallelLinear(tc.o_groups * self.o_rank, hidden)
+        self.attn_sink = _fp32(self.num_heads)
+        self.attn_sink.weight_loader = _rank_slice(tp.rank, tp.world_size, self.num_heads)
         self.rotary = rotary
         self.rate = tc.compress_rates[layer_type] if layer_type != "sliding_attention" else 0
         csa = layer_type == "compressed_sparse_attention"
@@ -165,8 +193,8 @@ class DeepseekV4Attention(nn.Module):
             self.compressor = Compressor(hidden, d, self.rate, csa, eps)
         self.indexer = Indexer(tc, self.rate) if csa else None
         layout = RowLayout(d, self.rate, csa, tc.index_head_dim if csa else 0)
-        self.attn = TokenRows(heads, d, self.window, layout, d ** -0.5)
-        self.entries = EntryRows(heads, d, layout, d ** -0.5) if self.rate else None
+        self.attn = TokenRows(self.num_heads, d, self.window, layout, d ** -0.5)
+        self.entries = EntryRows(self.num_heads, d, layout, d ** -0.5) if self.rate else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: list[AttentionMetadata]) -> torch.Tensor:
         m, layout = meta[self.attn.group_id], self.attn.layout
@@ -230,10 +258,13 @@ class DeepseekV4Attention(nn.Module):
 
 
 class SharedExpert(nn.Module):
+    """Split like a dense MLP (the clamps are per intermediate channel): w1 and w3's rows, w2's columns. Its output
+    is this rank's partial sum, which DeepseekV4MoE adds to the routed experts' before their one all-reduce."""
+
     def __init__(self, hidden: int, intermediate: int, limit: float) -> None:
         super().__init__()
-        self.w1, self.w3 = Linear(hidden, intermediate), Linear(hidden, intermediate)
-        self.w2 = Linear(intermediate, hidden)
+        self.w1, self.w3 = ColumnParallelLinear(hidden, intermediate), ColumnParallelLinear(hidden, intermediate)
+        self.w2 = RowParallelLinear(intermediate, hidden, reduce_results=False)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,7 +273,10 @@ class SharedExpert(nn.Module):
 
 class DeepseekV4MoE(nn.Module):
     """Routed experts (scores by scoring_func; the top num_experts_per_tok of score + correction bias, or the
-    token's row of tid2eid in a hash layer; weights renormalized, times routed_scaling_factor) plus a shared one."""
+    token's row of tid2eid in a hash layer; weights renormalized, times routed_scaling_factor) plus a shared one.
+    The router and the hash table are replicated (every rank routes every token alike); the routed experts split as
+    FusedMoE does (a slice of each, or whole experts with expert parallelism); their partial sums and the shared
+    expert's are all-reduced once."""
 
     def __init__(self, tc, hashed: bool) -> None:
         super().__init__()
@@ -268,14 +302,14 @@ class DeepseekV4MoE(nn.Module):
         scores = self.score(F.linear(x, self.gate.weight))
         if self.routing_simulation == "uniform_random":  # hash layers too: their table is random weights as well
             weights, ids = uniform_random_routing(scores, self.top_k, x.dtype)
-            return self.experts(x, weights * self.scaling, ids) + self.shared_experts(x)
+            return get_tp_group().all_reduce(self.experts(x, weights * self.scaling, ids) + self.shared_experts(x))
         if self.hashed:
             ids = self.gate.tid2eid[input_ids].long()
         else:
             ids = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        return get_tp_group().all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))
 
 
 def _copy_buffer(buffer: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -285,12 +319,14 @@ def _copy_buffer(buffer: torch.Tensor, loaded: torch.Tensor, shard_id: object = 
 
 
 class DeepseekV4Layer(nn.Module):
-    def __init__(self, tc, index: int, rotaries: dict[str, RotaryEmbedding]) -> None:
+    """layer_type: one of layer_types' values; mlp_type: one of mlp_layer_types'."""
+
+    def __init__(self, tc, layer_type: str, mlp_type: str, rotaries: dict[str, RotaryEmbedding]) -> None:
         super().__init__()
-        layer_type, n, hidden = tc.layer_types[index], tc.hc_mult, tc.hidden_size
+        n, hidden = tc.hc_mult, tc.hidden_size
         self.attn = DeepseekV4Attention(tc, layer_type, rotaries["main" if layer_type == "sliding_attention"
                                                                  else "compress"])
-        self.ffn = DeepseekV4MoE(tc, tc.mlp_layer_types[index] == "hash_moe")
+        self.ffn = DeepseekV4MoE(tc, mlp_type == "hash_moe")
         self.attn_norm, self.ffn_norm = RMSNorm(hidden, tc.rms_norm_eps), RMSNorm(hidden, tc.rms_norm_eps)
         mixes = (2 + n) * n
         for site in ("attn", "ffn"):
@@ -323,6 +359,12 @@ class HyperHead(nn.Module):
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
+def make_rotaries(tc, max_model_len: int) -> dict[str, RotaryEmbedding]:
+    """The sliding layers' rope ("main") and the compressed layers' ("compress"), as DeepseekV4Layer reads them."""
+    return {kind: RotaryEmbedding(tc.head_dim, max_model_len, rope_parameters(tc, kind), interleaved=True)
+            for kind in ("main", "compress")}
+
+
 _EXPERT = re.compile(r"^(?P<prefix>layers\.\d+\.ffn\.experts)\.(?P<expert>\d+)\.w(?P<w>[123])\.weight$")
 
 
@@ -340,10 +382,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.check_config(tc)
         hidden = tc.hidden_size
         self.embed_tokens = VocabParallelEmbedding(tc.vocab_size, hidden)
-        rotaries = {kind: RotaryEmbedding(tc.head_dim, config.max_model_len, rope_parameters(tc, kind),
-                                          interleaved=True) for kind in ("main", "compress")}
+        rotaries = make_rotaries(tc, config.max_model_len)
         self.rotary_main, self.rotary_compress = rotaries["main"], rotaries["compress"]
-        self.layers = nn.ModuleList(DeepseekV4Layer(tc, i, rotaries) for i in range(tc.num_hidden_layers))
+        self.layers = nn.ModuleList(DeepseekV4Layer(tc, tc.layer_types[i], tc.mlp_layer_types[i], rotaries)
+                                    for i in range(tc.num_hidden_layers))
         self.hc_head = HyperHead(tc.hc_mult, hidden, tc.hc_eps, tc.rms_norm_eps)
         self.norm = RMSNorm(hidden, tc.rms_norm_eps)
         self.lm_head = self.make_lm_head(self.embed_tokens)
@@ -358,7 +400,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         if cfg_get(tc, "rope_parameters", {}).get("main", {}).get("rope_type", "default") != "default":
             raise refuse("rope_parameters.main.rope_type", tc.rope_parameters["main"]["rope_type"], "'default'")
         rates = tc.compress_rates
-        for kind in set(tc.layer_types) & set(_RATE_KEYS):
+        for kind in set(tc.layer_types) & set(COMPRESSED_LAYER_TYPES):
             if not (isinstance(rates.get(kind), int) and rates[kind] > 0):
                 raise refuse(f"compress_rates.{kind}", rates.get(kind), "a positive integer")
         if not (isinstance(tc.sliding_window, int) and tc.sliding_window > 0):
@@ -369,17 +411,29 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     @classmethod
     def check_parallel(cls, config, parallel) -> None:
-        if parallel.tensor_parallel_size > 1 or parallel.enable_expert_parallel:
-            raise ValueError(f"tensor_parallel_size={parallel.tensor_parallel_size} (enable_expert_parallel="
-                             f"{parallel.enable_expert_parallel}): DeepSeek V4 runs on one rank for now")
+        """What splits (DeepseekV4Attention, SharedExpert, DeepseekV4MoE say how) must split evenly: the query heads,
+        the output groups (each rank's groups hold its heads' channels), the shared expert; the routed experts as
+        CausalLM's check says. The rest (the shared key-value head, compressors, indexer, hyper-connections, router)
+        is replicated."""
+        tp, tc = parallel.tensor_parallel_size, config.text_config
+        for name in ("num_attention_heads", "o_groups", "moe_intermediate_size"):
+            if getattr(tc, name) % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}="
+                                 f"{getattr(tc, name)}")
+        super().check_parallel(config, parallel)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata],
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden state handed out is the last layer's streams, flattened [T, hc_mult * hidden]: the head
+        collapses them (compute_logits), as DeepSeek's does, and an MTP draft reads them whole (deepseek_v4_mtp.py)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         streams = x.unsqueeze(1).expand(-1, self.tc.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(positions, streams, input_ids, meta)
-        return self.norm(self.hc_head(streams))
+        return streams.flatten(1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(self.norm(self.hc_head(hidden.view(hidden.shape[0], self.tc.hc_mult, -1))))
 
     def checkpoint_name_to_param(self, name: str):
         mapped = super().checkpoint_name_to_param(name)

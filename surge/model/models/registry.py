@@ -27,6 +27,7 @@ from surge.model.models.ernie4_5 import Ernie4_5ForCausalLM
 from surge.model.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from surge.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 from surge.model.models.deepseek_mtp import DeepseekMTP
+from surge.model.models.deepseek_v4_mtp import DeepseekV4MTP
 from surge.model.models.llava import LlavaForConditionalGeneration
 from surge.model.models.gemma3_mm import Gemma3ForConditionalGeneration
 from surge.model.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
@@ -72,6 +73,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 # The draft of speculative_config method "deepseek_mtp": the architecture's multi-token-prediction layers.
 MTP_MODELS: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekMTP,
+    "DeepseekV4ForCausalLM": DeepseekV4MTP,
 }
 
 
