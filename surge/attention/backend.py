@@ -181,6 +181,11 @@ class AttentionBackend(ABC):
         from surge.attention.mla import mla_forward
         return mla_forward(q, kv_c, k_pe, kv_cache, meta, params, kv_b_weight)
 
+    def deepseek_v4_kernels(self, device: torch.device):
+        """The DeepSeek V4 layers' kernels (surge/attention/deepseek_v4_triton.DeepseekV4Kernels) on this backend, or
+        None: they attend on their host path in plain torch (surge/attention/deepseek_v4.py), as here."""
+        return None
+
     def supports_cuda_graphs_for(self, layers: tuple[AttentionParams, ...]) -> bool:
         """Whether steps of a model with these layers may be captured: the torch paths (MLA's, host-path layers) read
         host lengths (a backend whose MLA path reads them on the device says so)."""

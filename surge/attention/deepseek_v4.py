@@ -50,6 +50,10 @@ class RowLayout:
     def _entry_spans(self) -> dict[str, int]:
         return {"entry": self.head_dim, **({"index_entry": self.index_head_dim} if self.index_head_dim else {})}
 
+    def token_columns(self) -> tuple[str, ...]:
+        """A token row's columns, in order."""
+        return tuple(self._token_spans())
+
     def column(self, name: str) -> slice:
         """A token row's column, or an entry row's."""
         for spans in (self._token_spans(), self._entry_spans()):

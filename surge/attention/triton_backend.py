@@ -22,6 +22,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._kernels: dict[torch.device, object] = {}
         self._mla_kernels: dict[torch.device, object] = {}
+        self._v4_kernels: dict[torch.device, object] = {}
 
     def kernel(self, device: torch.device):
         """The device's PagedAttention wrapper: `dispatch` gives warm-up keys, `compile_many` compiles them."""
@@ -38,6 +39,14 @@ class TritonAttentionBackend(AttentionBackend):
 
             self._mla_kernels[device] = MLAPagedAttention(device, _num_sms(device))
         return self._mla_kernels[device]
+
+    def deepseek_v4_kernels(self, device: torch.device):
+        """The device's DeepSeek V4 kernels (compressor, indexer, sparse attention, mHC): its batched path."""
+        if device not in self._v4_kernels:
+            from surge.attention.deepseek_v4_triton import DeepseekV4Kernels
+
+            self._v4_kernels[device] = DeepseekV4Kernels.on(device)
+        return self._v4_kernels[device]
 
     def supports_cuda_graphs_for(self, layers: tuple[AttentionParams, ...]) -> bool:
         """Every path reads lengths on the device, MLA's included; host-path layers (DeepSeek V4's) do not."""
