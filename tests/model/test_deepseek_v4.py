@@ -18,8 +18,9 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
+import hf_parity
 from hf_parity import check_all, check_every_step
-from surge import LLM
+from surge import LLM, SamplingParams
 from surge.config import ModelConfig
 from surge.core.kv_cache.spec import CompressedEntrySpec, SlidingTokenRowSpec
 from surge.model.loader.base import build_model
@@ -49,6 +50,37 @@ def tiny(request, tmp_path_factory, ties_to_lower_index):
 
 def test_deepseek_v4_matches_hf(tiny):
     check_all(*tiny)
+
+
+def test_deepseek_v4_triton_path_matches_hf(tmp_path, monkeypatch, ties_to_lower_index):
+    """The CUDA path on the CPU (Triton's interpreter): the batched attention (token rows written at once, windows
+    pooled by the compressor kernel, the indexer's scores and top-k, the sparse attention kernel) and the mHC
+    kernels, driven by device lengths only; HF's logits at every step and its greedy tokens, through a prefix-cache
+    hit, prefill in 7-token chunks beside decodes, past two HCA windows. Kept small: the interpreter is slow."""
+    import surge.worker.model_runner as model_runner
+    from surge.attention.triton_backend import TritonAttentionBackend
+
+    monkeypatch.setattr(model_runner, "default_backend_name", lambda device: "triton")
+    launched = []
+    kernels = TritonAttentionBackend.deepseek_v4_kernels
+    monkeypatch.setattr(TritonAttentionBackend, "deepseek_v4_kernels",
+                        lambda self, device: launched.append(device) or kernels(self, device))
+    path = make_tiny_model("deepseek-v4", tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=7,
+              max_model_len=64)
+    for cache in llm.engine.executor.runner.kv_caches:
+        cache.fill_(float("nan"))  # no step may read a row no request wrote
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(3, 256, (12,), generator=g).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate([shared + [5]], greedy, use_tqdm=False)
+    records = hf_parity.record_logits(llm)
+    prompts = [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 3)]
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert llm.engine.kv_cache_manager.prefix_hits > 0 and launched
+    assert len(records) == 3 * len(prompts)
+    hf_parity._check("deepseek-v4-triton", records, prompts, outs, hf, 256)
 
 
 def test_deepseek_v4_yarn_compress_rope_matches_hf(tmp_path, ties_to_lower_index):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from surge import envs
+from surge.attention import deepseek_v4_triton as v4k
 from surge.attention.backend import AttentionMetadata
 from surge.attention.deepseek_v4 import (RowLayout, WindowCompressor, close_windows, entry_slots, rows_of,
                                          select_entries, sink_attention, slots_of)
@@ -169,44 +170,84 @@ class DeepseekV4Attention(nn.Module):
         self.entries = EntryRows(heads, d, layout, d ** -0.5) if self.rate else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: list[AttentionMetadata]) -> torch.Tensor:
-        m, layout = meta[self.attn.group_id], self.attn.layout
-        rows, block_size = rows_of(self.attn.kv_cache), self.attn.kv_cache.shape[2]
-        if self.rate:
-            entries, em = rows_of(self.entries.kv_cache), meta[self.entries.group_id]
         q_res = self.q_norm(self.wq_a(x))
         q = rms_norm(self.wq_b(q_res).view(-1, self.num_heads, self.head_dim), None, self.eps)
         q = rope_tail(q, self.rotary, positions)
-        rows[m.slot_mapping, layout.column("kv")] = rope_tail(self.norm(self.wkv(x)), self.rotary, positions)
-        index_q = index_w = None
+        layout = self.attn.layout
+        # The token rows' columns, in layout order: the shared key-value, the compressors' state.
+        row = {"kv": rope_tail(self.norm(self.wkv(x)), self.rotary, positions)}
         if self.rate:
-            c = self.compressor
-            rows[m.slot_mapping, layout.column("state_kv")] = c.wkv(x)
-            rows[m.slot_mapping, layout.column("state_gate")] = c.wgate(x)
-            close_windows(rows, entries, m, em, block_size, self.rate, c.overlap,
-                          c.params(self.rotary, layout, ("state_kv", "state_gate", "entry")))
+            row.update(state_kv=self.compressor.wkv(x), state_gate=self.compressor.wgate(x))
+        index = None
         if self.indexer is not None:
             ic = self.indexer.compressor
-            rows[m.slot_mapping, layout.column("index_kv")] = ic.wkv(x)
-            rows[m.slot_mapping, layout.column("index_gate")] = ic.wgate(x)
-            close_windows(rows, entries, m, em, block_size, self.rate, True,
-                          ic.params(self.rotary, layout, ("index_kv", "index_gate", "index_entry")))
+            row.update(index_kv=ic.wkv(x), index_gate=ic.wgate(x))
             index_q = self.indexer.wq_b(q_res).view(-1, self.indexer.num_heads, self.indexer.head_dim)
-            index_q = rope_tail(index_q, self.rotary, positions)
-            index_w = self.indexer.weights_proj(x)
+            index = (rope_tail(index_q, self.rotary, positions), self.indexer.weights_proj(x))
+        kernels = self.attn.backend.deepseek_v4_kernels(x.device)
+        if kernels is None:
+            out = self._attend_host(positions, q, row, index, meta)
+        else:
+            out = self._attend_kernels(kernels, positions, q, torch.cat([row[c] for c in layout.token_columns()], -1),
+                                       index, meta)
+        out = rope_tail(out, self.rotary, positions, inverse=True)
+        grouped = out.view(-1, self.groups, self.num_heads * self.head_dim // self.groups)
+        w = self.wo_a.weight.view(self.groups, self.o_rank, -1)  # block-diagonal: one [o_rank, in] block a group
+        grouped = torch.einsum("tgi,gri->tgr", grouped, w)
+        return self.wo_b(grouped.flatten(1))
+
+    def _compressors(self) -> list[tuple[Compressor, tuple[str, str, str]]]:
+        """Each compressor with its state columns and entry column (the indexer's after the attention's)."""
+        out = [(self.compressor, ("state_kv", "state_gate", "entry"))] if self.rate else []
+        if self.indexer is not None:
+            out.append((self.indexer.compressor, ("index_kv", "index_gate", "index_entry")))
+        return out
+
+    def _attend_kernels(self, kernels, positions, q, row, index, meta) -> torch.Tensor:
+        """The batched path (surge/attention/deepseek_v4_triton.py): device lengths only, graph-capturable."""
+        m, layout = meta[self.attn.group_id], self.attn.layout
+        rows = v4k.token_rows(self.attn.kv_cache)
+        block_size = rows.shape[1]
+        step = v4k.StepTokens.of(m, positions)
+        v4k.write_rows(rows, step, row)
+        entries = entry_table = topk = None
+        if self.rate:
+            em = meta[self.entries.group_id]
+            entries, entry_table = v4k.token_rows(self.entries.kv_cache), em.block_table
+            closing = v4k.ClosingWindows.of(step, entry_table, self.rate, block_size)
+            for comp, columns in self._compressors():
+                v4k.pool_windows(kernels, rows, entries, m, closing, comp.params(self.rotary, layout, columns),
+                                 self.rate, comp.overlap)
+        if index is not None:
+            capacity = self.rotary.cos_cache.shape[0] // self.rate  # max_model_len's windows
+            topk = v4k.select_topk(kernels, index[0], index[1], entries[..., layout.column("index_entry")],
+                                   entry_table, step, self.rate, block_size, capacity, self.indexer.topk)
+        return kernels.attention(q, rows[..., layout.column("kv")], m.block_table, step.req, positions,
+                                 self.attn_sink, scale=self.attn.scale, window=self.window,
+                                 entries=None if entries is None else entries[..., layout.column("entry")],
+                                 entry_table=entry_table, rate=self.rate, topk=topk)
+
+    def _attend_host(self, positions, q, row, index, meta) -> torch.Tensor:
+        """The host path (surge/attention/deepseek_v4.py): request by request from the step's host lengths."""
+        m, layout = meta[self.attn.group_id], self.attn.layout
+        rows, block_size = rows_of(self.attn.kv_cache), self.attn.kv_cache.shape[2]
+        for column, value in row.items():
+            rows[m.slot_mapping, layout.column(column)] = value
+        entries = em = None
+        if self.rate:
+            entries, em = rows_of(self.entries.kv_cache), meta[self.entries.group_id]
+            for comp, columns in self._compressors():
+                close_windows(rows, entries, m, em, block_size, self.rate, comp.overlap,
+                              comp.params(self.rotary, layout, columns))
         out = torch.empty_like(q)
         qsl = m.query_start_loc
         for r in range(m.num_reqs):
             start, end = qsl[r], qsl[r + 1]
             if end > start:
                 out[start:end] = self._attend(
-                    rows, m.block_table[r], entries if self.rate else None, em.block_table[r] if self.rate else None,
-                    m.seq_lens[r], q[start:end], block_size,
-                    None if index_q is None else (index_q[start:end], index_w[start:end]))
-        out = rope_tail(out, self.rotary, positions, inverse=True)
-        grouped = out.view(-1, self.groups, self.num_heads * self.head_dim // self.groups)
-        w = self.wo_a.weight.view(self.groups, self.o_rank, -1)  # block-diagonal: one [o_rank, in] block a group
-        grouped = torch.einsum("tgi,gri->tgr", grouped, w)
-        return self.wo_b(grouped.flatten(1))
+                    rows, m.block_table[r], entries, em.block_table[r] if self.rate else None, m.seq_lens[r],
+                    q[start:end], block_size, None if index is None else (index[0][start:end], index[1][start:end]))
+        return out
 
     def _attend(self, rows, table, entries, entry_table, seq_len: int, q, block_size: int, index) -> torch.Tensor:
         """One request's n queries (the last n positions of its seq_len)."""
@@ -301,12 +342,17 @@ class DeepseekV4Layer(nn.Module):
 
     def forward(self, positions, streams: torch.Tensor, input_ids, meta) -> torch.Tensor:
         """streams [T, hc_mult, hidden]: each block reads their mix and adds its output back to each stream."""
-        post, comb, x = mhc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-                                norm_weight=self.attn_norm.weight, **self.hc)
-        streams = mhc_post(self.attn(positions, x, meta), streams, post, comb)
-        post, comb, x = mhc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
-                                norm_weight=self.ffn_norm.weight, **self.hc)
-        return mhc_post(self.ffn(x, input_ids), streams, post, comb)
+        pre, post_mix = mhc_pre, mhc_post
+        kernels = self.attn.attn.backend.deepseek_v4_kernels(streams.device)
+        if kernels is not None:  # the attention's backend runs V4's kernels: the mixes too
+            from surge.kernels.mhc import mhc_post as post_mix
+            pre = kernels.mhc
+        post, comb, x = pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                            norm_weight=self.attn_norm.weight, **self.hc)
+        streams = post_mix(self.attn(positions, x, meta), streams, post, comb)
+        post, comb, x = pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                            norm_weight=self.ffn_norm.weight, **self.hc)
+        return post_mix(self.ffn(x, input_ids), streams, post, comb)
 
 
 class HyperHead(nn.Module):
