@@ -62,9 +62,12 @@ class AttentionParams:
     # each query/key head); num_kv_heads is 1, the latent's. None: standard attention.
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int = 0
-    # The layer attends in plain torch from the step's host lengths, outside the backends (DeepSeek V4's sparse
-    # attention over compressed entries, for now): no kernel variant to compile, no CUDA graph capture.
+    # The layer attends in its model's code, outside the backends' forward (DeepSeek V4's sparse attention over
+    # compressed entries): in plain torch from the step's host lengths (no kernel variant to compile, no CUDA graph
+    # capture), unless device_path and the backend runs the model's kernels (deepseek_v4_kernels), whose batched path
+    # reads device lengths only, so its steps may be captured.
     host_path: bool = False
+    device_path: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

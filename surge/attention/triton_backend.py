@@ -49,8 +49,9 @@ class TritonAttentionBackend(AttentionBackend):
         return self._v4_kernels[device]
 
     def supports_cuda_graphs_for(self, layers: tuple[AttentionParams, ...]) -> bool:
-        """Every path reads lengths on the device, MLA's included; host-path layers (DeepSeek V4's) do not."""
-        return not any(p.host_path for p in layers)
+        """Every path reads lengths on the device, MLA's included, and DeepSeek V4's batched one (device_path); other
+        host-path layers do not."""
+        return not any(p.host_path and not p.device_path for p in layers)
 
     def warm_up(self, device: torch.device, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,
                 decode_sizes: list[int], max_num_seqs: int, max_workers: int,

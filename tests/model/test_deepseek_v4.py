@@ -80,6 +80,10 @@ def test_deepseek_v4_triton_path_matches_hf(tmp_path, monkeypatch, ties_to_lower
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert llm.engine.kv_cache_manager.prefix_hits > 0 and launched
     assert len(records) == 3 * len(prompts)
+    runner = llm.engine.executor.runner  # the warm-up's keys (compiled on CUDA) are exactly those launched
+    kernels = runner.backend.deepseek_v4_kernels(runner.device)
+    for kernel, keys in runner.model.kernel_keys(kernels, 4).items():
+        assert set(kernel._compiled) == set(keys), kernel.name
     hf_parity._check("deepseek-v4-triton", records, prompts, outs, hf, 256)
 
 

@@ -9,8 +9,10 @@ KV cache (surge/attention/deepseek_v4.py): every layer caches one row per token,
 layers the compressor's per-token state, in a sliding-window group (kept while the attention's window or the
 compressor's partial window reads it); compressed layers add a cache of their own per rate holding one entry per
 window (and the indexer's key). Both are exact under prefix-cache hits, chunked prefill and preemption (a row depends
-only on its prefix, and a window's entry is made once, from cached state, whichever step completes it). The
-attention is plain torch on every device, so no CUDA graphs yet.
+only on its prefix, and a window's entry is made once, from cached state, whichever step completes it). Under the
+Triton backend (CUDA's) the attention and the hyper-connections run the V4 kernels over the whole batch from device
+lengths (surge/attention/deepseek_v4_triton.py), so decode steps are captured in CUDA graphs; under the torch backend
+(the CPU's) they run request by request in plain torch (surge/attention/deepseek_v4.py), the reference.
 
 Checkpoint names: DeepSeek's (`layers.N.attn.wq_a`, `ffn.experts.E.w1` ...), as transformers' save_pretrained writes
 them (under `model.`, with `head.weight`) and as the released checkpoints do (no prefix, `embed.weight`,
@@ -121,7 +123,7 @@ class TokenRows(Attention):
 
     def __init__(self, num_heads: int, head_dim: int, sliding_window: int, layout: RowLayout, scale: float) -> None:
         super().__init__(num_heads, 1, head_dim, sliding_window, scale=scale)
-        self.params = dataclasses.replace(self.params, has_sinks=True, host_path=True)
+        self.params = dataclasses.replace(self.params, has_sinks=True, host_path=True, device_path=True)
         self.layout = layout
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -134,7 +136,7 @@ class EntryRows(Attention):
 
     def __init__(self, num_heads: int, head_dim: int, layout: RowLayout, scale: float) -> None:
         super().__init__(num_heads, 1, head_dim, scale=scale)
-        self.params = dataclasses.replace(self.params, has_sinks=True, host_path=True)
+        self.params = dataclasses.replace(self.params, has_sinks=True, host_path=True, device_path=True)
         self.layout = layout
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -426,6 +428,40 @@ class DeepseekV4ForCausalLM(CausalLM):
         for layer in self.layers:
             streams = layer(positions, streams, input_ids, meta)
         return self.norm(self.hc_head(streams))
+
+    def warm_up_kernels(self, backend, device: torch.device, block_size: int, max_workers: int) -> int:
+        """The batched path's kernels (compressor, indexer scores and top-k, sparse attention, mHC), one variant per
+        distinct layer shape: none depends on the batch, so the capture sizes need nothing more. CUDA only (Triton's
+        interpreter compiles nothing)."""
+        kernels = backend.deepseek_v4_kernels(device)
+        if kernels is None or device.type != "cuda":
+            return 0
+        keys = self.kernel_keys(kernels, block_size)
+        return sum(kernel.compile_many(ks, max_workers=max_workers) for kernel, ks in keys.items() if ks)
+
+    def kernel_keys(self, kernels, block_size: int) -> dict[object, list]:
+        """Each V4 kernel's launch keys for this model's layers (kernels: a DeepseekV4Kernels)."""
+        tc, dtype = self.tc, self.embed_tokens.weight.dtype
+        keys: dict[object, list] = {k: [] for k in (kernels.compressor, kernels.scores, kernels.topk,
+                                                    kernels.attention, kernels.mhc)}
+        for layer in self.layers:
+            attn = layer.attn
+            keys[kernels.attention].append(kernels.attention.dispatch(
+                num_heads=attn.num_heads, head_dim=attn.head_dim, window=attn.window, block_size=block_size,
+                rate=attn.rate, topk=attn.indexer.topk if attn.indexer is not None else 0, dtype=dtype))
+            for comp, _ in attn._compressors():
+                keys[kernels.compressor].append(kernels.compressor.dispatch(
+                    rate=attn.rate, head_dim=comp.norm.weight.shape[0], rope_dim=attn.rotary.rotary_dim,
+                    overlap=comp.overlap, state_block=block_size, dtype=dtype))
+            if attn.indexer is not None:
+                capacity = attn.rotary.cos_cache.shape[0] // attn.rate
+                keys[kernels.scores].append(kernels.scores.dispatch(
+                    num_heads=attn.indexer.num_heads, head_dim=attn.indexer.head_dim,
+                    cache_block=max(1, block_size // attn.rate), max_len=capacity, dtype=dtype, row_seq=True))
+                keys[kernels.topk].append(kernels.topk.dispatch(max_len=capacity, k=attn.indexer.topk))
+        keys[kernels.mhc].append(kernels.mhc.dispatch(hc_mult=tc.hc_mult, hidden_size=tc.hidden_size,
+                                                      sinkhorn_iters=tc.hc_sinkhorn_iters, dtype=dtype))
+        return keys
 
     def checkpoint_name_to_param(self, name: str):
         mapped = super().checkpoint_name_to_param(name)
