@@ -87,6 +87,51 @@ def test_deepseek_v4_triton_path_matches_hf(tmp_path, monkeypatch, ties_to_lower
     hf_parity._check("deepseek-v4-triton", records, prompts, outs, hf, 256)
 
 
+def test_deepseek_v4_triton_path_graph_shaped_steps_match_hf(tmp_path, monkeypatch, ties_to_lower_index):
+    """What a CUDA graph replays, on the CPU: decode and small mixed steps run with the capture's metadata (no host
+    lengths: seq_lens [], query_start_loc 0..n) over the padded buffers (3 decode rows in the graph of 4, in the null
+    block; a mixed step's padding tokens of no request, slot -1, and empty request rows), so any host length the
+    batched path read, or any padding row that leaked, would show in HF's logits."""
+    import surge.worker.model_runner as model_runner
+    from surge.worker.cuda_graph import CUDAGraphRunner
+
+    class GraphShaped(CUDAGraphRunner):
+        def replay(self, num_reqs, adapters=True):
+            bs = self.padded_size(num_reqs)
+            self.inputs.pad_decode(num_reqs, bs)
+            self.replayed.append(("decode", num_reqs, bs))
+            return self.model(self.inputs.input_ids[:bs], self.inputs.model_positions(bs), self._meta(bs))[:num_reqs]
+
+        def replay_mixed(self, num_tokens, num_reqs):
+            t = self.mixed_size(num_tokens, num_reqs)
+            self.inputs.pad_mixed(num_tokens, num_reqs, t, self.mixed_reqs)
+            self.replayed.append(("mixed", num_tokens, t))
+            hidden = self.model(self.inputs.input_ids[:t], self.inputs.model_positions(t), self._mixed_meta(t))
+            return hidden[:num_tokens]
+
+    monkeypatch.setattr(model_runner, "default_backend_name", lambda device: "triton")
+    path = make_tiny_model("deepseek-v4", tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=20,
+              max_model_len=64, max_num_seqs=4)
+    runner = llm.engine.executor.runner
+    assert runner.graph_safe
+    graphs = runner.graph_runner = GraphShaped(runner.model, runner.inputs, runner.backend, 4, 64)
+    graphs.replayed, graphs.graphs, graphs.mixed_graphs = [], dict.fromkeys(graphs.sizes), {16: None}
+    for cache in runner.kv_caches:
+        cache.fill_(float("nan"))
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(3, 256, (12,), generator=g).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate([shared + [5]], greedy, use_tqdm=False)
+    records = hf_parity.record_logits(llm)
+    prompts = [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 3, 6)]
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    kinds = {(kind, n < padded) for kind, n, padded in graphs.replayed}
+    assert {("decode", True), ("mixed", True)} <= kinds and llm.engine.kv_cache_manager.prefix_hits > 0
+    hf_parity._check("deepseek-v4-graph-shaped", records, prompts, outs, hf, 256)
+
+
 def test_deepseek_v4_yarn_compress_rope_matches_hf(tmp_path, ties_to_lower_index):
     """The released configs scale the compressed layers' rope by yarn (attention factor 1.0, as HF forces it) and
     leave the sliding layers' plain."""
