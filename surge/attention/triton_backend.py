@@ -41,7 +41,11 @@ class TritonAttentionBackend(AttentionBackend):
         return self._mla_kernels[device]
 
     def deepseek_v4_kernels(self, device: torch.device):
-        """The device's DeepSeek V4 kernels (compressor, indexer, sparse attention, mHC): its batched path."""
+        """The device's DeepSeek V4 kernels (compressor, indexer, sparse attention, mHC): its batched path. One set
+        for 'cuda' and 'cuda:N' of the current device (the runner's warm-up names the first, the tensors the second),
+        so the launches find the warm-up's keys."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if device not in self._v4_kernels:
             from surge.attention.deepseek_v4_triton import DeepseekV4Kernels
 
