@@ -19,12 +19,12 @@ def _generate(path, enforce_eager: bool, dtype: str):
     runner = llm.engine.executor.runner
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 13, 29, 40, 57)]
-    kernels = runner.backend.deepseek_v4_kernels(runner.device)
-    compiled = {name: set(getattr(kernels, name)._compiled) for name in vars(kernels)}
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
                         use_tqdm=False)
-    if not enforce_eager:
-        assert {name: set(getattr(kernels, name)._compiled) for name in vars(kernels)} == compiled
+    kernels = runner.backend.deepseek_v4_kernels(torch.device("cuda"))  # the warm-up's and the launches' set
+    assert kernels is runner.backend.deepseek_v4_kernels(torch.device("cuda", torch.cuda.current_device()))
+    for kernel, keys in runner.model.kernel_keys(kernels, 4).items():  # launched: the warm-up's keys, no other
+        assert set(kernel._compiled) == set(keys) and kernel._warmed_up, kernel.name
     return runner, outs
 
 
