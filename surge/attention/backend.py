@@ -62,9 +62,12 @@ class AttentionParams:
     # each query/key head); num_kv_heads is 1, the latent's. None: standard attention.
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int = 0
-    # The layer attends in plain torch from the step's host lengths, outside the backends (DeepSeek V4's sparse
-    # attention over compressed entries, for now): no kernel variant to compile, no CUDA graph capture.
+    # The layer attends in its model's code, outside the backends' forward (DeepSeek V4's sparse attention over
+    # compressed entries): in plain torch from the step's host lengths (no kernel variant to compile, no CUDA graph
+    # capture), unless device_path and the backend runs the model's kernels (deepseek_v4_kernels), whose batched path
+    # reads device lengths only, so its steps may be captured.
     host_path: bool = False
+    device_path: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -180,6 +183,11 @@ class AttentionBackend(ABC):
         runs its kernel."""
         from surge.attention.mla import mla_forward
         return mla_forward(q, kv_c, k_pe, kv_cache, meta, params, kv_b_weight)
+
+    def deepseek_v4_kernels(self, device: torch.device):
+        """The DeepSeek V4 layers' kernels (surge/attention/deepseek_v4_triton.DeepseekV4Kernels) on this backend, or
+        None: they attend on their host path in plain torch (surge/attention/deepseek_v4.py), as here."""
+        return None
 
     def supports_cuda_graphs_for(self, layers: tuple[AttentionParams, ...]) -> bool:
         """Whether steps of a model with these layers may be captured: the torch paths (MLA's, host-path layers) read

@@ -1,5 +1,5 @@
-"""DeepSeek V4's attention in plain torch over its caches: every device's path until the V4 kernels (surge/kernels:
-compressor, indexer_score, indexer_topk) are wired in.
+"""DeepSeek V4's attention in plain torch over its caches, request by request from the step's host lengths: the torch
+backend's path (the CPU's), and the reference of the batched Triton path (surge/attention/deepseek_v4_triton.py).
 
 Two caches per compressed layer, one for a sliding layer:
 - token rows (SlidingTokenRowSpec), one per token position, kept while a later token reads them: `kv`, the token's
@@ -49,6 +49,10 @@ class RowLayout:
 
     def _entry_spans(self) -> dict[str, int]:
         return {"entry": self.head_dim, **({"index_entry": self.index_head_dim} if self.index_head_dim else {})}
+
+    def token_columns(self) -> tuple[str, ...]:
+        """A token row's columns, in order."""
+        return tuple(self._token_spans())
 
     def column(self, name: str) -> slice:
         """A token row's column, or an entry row's."""

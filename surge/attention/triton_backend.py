@@ -22,6 +22,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._kernels: dict[torch.device, object] = {}
         self._mla_kernels: dict[torch.device, object] = {}
+        self._v4_kernels: dict[torch.device, object] = {}
 
     def kernel(self, device: torch.device):
         """The device's PagedAttention wrapper: `dispatch` gives warm-up keys, `compile_many` compiles them."""
@@ -39,9 +40,22 @@ class TritonAttentionBackend(AttentionBackend):
             self._mla_kernels[device] = MLAPagedAttention(device, _num_sms(device))
         return self._mla_kernels[device]
 
+    def deepseek_v4_kernels(self, device: torch.device):
+        """The device's DeepSeek V4 kernels (compressor, indexer, sparse attention, mHC): its batched path. One set
+        for 'cuda' and 'cuda:N' of the current device (the runner's warm-up names the first, the tensors the second),
+        so the launches find the warm-up's keys."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in self._v4_kernels:
+            from surge.attention.deepseek_v4_triton import DeepseekV4Kernels
+
+            self._v4_kernels[device] = DeepseekV4Kernels.on(device)
+        return self._v4_kernels[device]
+
     def supports_cuda_graphs_for(self, layers: tuple[AttentionParams, ...]) -> bool:
-        """Every path reads lengths on the device, MLA's included; host-path layers (DeepSeek V4's) do not."""
-        return not any(p.host_path for p in layers)
+        """Every path reads lengths on the device, MLA's included, and DeepSeek V4's batched one (device_path); other
+        host-path layers do not."""
+        return not any(p.host_path and not p.device_path for p in layers)
 
     def warm_up(self, device: torch.device, layers: tuple[AttentionParams, ...], block_size: int, dtype: torch.dtype,
                 decode_sizes: list[int], max_num_seqs: int, max_workers: int,

@@ -116,8 +116,9 @@ def _compress_kernel(kv_ptr, gate_ptr, table_ptr, bias_ptr, norm_ptr, cos_ptr, s
         xo = _round(tl.load(norm_ptr + even + 1, mask=pair_ok, other=0.0)
                     * (tl.load(out_row + even + 1, mask=pair_ok, other=0.0).to(tl.float32) * rstd), dtype)
         position = window * RATE
-        cos = tl.load(cos_ptr + position * stride_cos + i, mask=pair_ok, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + position * stride_cos + i, mask=pair_ok, other=0.0).to(tl.float32)
+        # The tables rounded to the cache's dtype, as HF rounds them (identity when they come in that dtype).
+        cos = _round(tl.load(cos_ptr + position * stride_cos + i, mask=pair_ok, other=0.0).to(tl.float32), dtype)
+        sin = _round(tl.load(sin_ptr + position * stride_cos + i, mask=pair_ok, other=0.0).to(tl.float32), dtype)
         tl.debug_barrier()  # every read of the row is done before it is overwritten
         tl.store(out_row + even, (xe * cos - xo * sin).to(dtype), mask=pair_ok)
         tl.store(out_row + even + 1, (xo * cos + xe * sin).to(dtype), mask=pair_ok)
@@ -153,7 +154,8 @@ class CompressorPool(CompiledKernel):
                  entry_slot: torch.Tensor, cache: torch.Tensor, *, rate: int, overlap: bool) -> None:
         """state_kv, state_gate [blocks, block_size, W] (W = D, or 2D with overlap), rows by token position
         through state_block_table [seqs, max_blocks] int32; position_bias [rate, W] and norm_weight [D] float32;
-        cos_cache, sin_cache [max_positions, rope_dim / 2] (the compress rope, in the dtype HF rounds them to);
+        cos_cache, sin_cache [max_positions, rope_dim / 2] (the compress rope: float32, the model's tables, or
+        already in the state's dtype; either way rounded to it, as HF rounds them);
         entry_seq, entry_window [E] int32 and entry_slot [E] int64 (-1: skip); cache [blocks, block_size, D] of
         the state's dtype, written at the entries' slots."""
         width = state_kv.shape[-1]
@@ -194,7 +196,7 @@ class CompressorPool(CompiledKernel):
         width = key.head_dim * (2 if key.overlap else 1)
         state = torch.empty(1, key.state_block, width, dtype=key.dtype, device=dev)
         i32 = dict(dtype=torch.int32, device=dev)
-        rope = torch.empty(1, key.rope_dim // 2, dtype=key.dtype, device=dev)
+        rope = torch.empty(1, key.rope_dim // 2, dtype=torch.float32, device=dev)  # the model's float32 tables
         return _launch(key, state, state, torch.zeros(1, 1, **i32), torch.empty(key.rate, width, device=dev),
                        torch.empty(key.head_dim, device=dev), 1e-6, rope, rope, torch.zeros(1, **i32),
                        torch.zeros(1, **i32), torch.full((1,), -1, dtype=torch.int64, device=dev),

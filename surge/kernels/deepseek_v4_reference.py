@@ -106,3 +106,31 @@ def mhc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
                                                                                  streams)
+
+
+def sparse_attention(q: torch.Tensor, kv_rows: torch.Tensor, row_table: torch.Tensor, req_of_token: torch.Tensor,
+                     positions: torch.Tensor, sinks: torch.Tensor, scale: float, window: int,
+                     entries: torch.Tensor | None = None, entry_table: torch.Tensor | None = None, rate: int = 0,
+                     topk: torch.Tensor | None = None) -> torch.Tensor:
+    """DeepSeek V4's attention for each token t (as HF's DeepseekV4Attention with its sinks): q[t] [H, D] over one
+    shared key-value head, the keys being the token rows of positions (p - window, p] (p = positions[t], rows through
+    row_table[req_of_token[t]], kv_rows [blocks, block_size, D]) and the compressed entries w < (p + 1) // rate, all
+    of them or those topk[t] lists (-1: none); entry w is row w % (block_size // rate, at least 1) of the block
+    entry_table[req][(w * rate + rate - 1) // block_size]. A sink logit per head joins each softmax's denominator.
+    Float32 math, [T, H, D] in q's dtype. Token by token, on the CPU."""
+    block_size = kv_rows.shape[1]
+    rows_per_block = max(1, block_size // rate) if rate else 1
+    out = torch.empty(q.shape, dtype=q.dtype)
+    for t in range(q.shape[0]):
+        req, p = int(req_of_token[t]), int(positions[t])
+        k_pos = torch.arange(max(0, p - window + 1), p + 1)
+        keys = [kv_rows[row_table[req, k_pos // block_size].long(), k_pos % block_size]]
+        if rate:
+            chosen = torch.arange((p + 1) // rate) if topk is None else topk[t][topk[t] >= 0].long()
+            blocks = entry_table[req, (chosen * rate + rate - 1) // block_size].long()
+            keys.append(entries[blocks, chosen % rows_per_block])
+        k = torch.cat(keys).float().cpu()
+        scores = torch.einsum("hd,ld->hl", q[t].float().cpu(), k) * scale
+        probs = torch.cat((scores, sinks.float().cpu()[:, None]), dim=1).softmax(dim=1)[:, :-1]
+        out[t] = (probs @ k).to(q.dtype)
+    return out

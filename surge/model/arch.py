@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from surge.attention.backend import AttentionMetadata
+from surge.attention.backend import AttentionBackend, AttentionMetadata
 from surge.config import ModelConfig, ParallelConfig
 from surge.model.layers.attention import Attention
 from surge.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -150,6 +150,12 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: list[AttentionMetadata]) -> torch.Tensor:
         raise NotImplementedError
+
+    def warm_up_kernels(self, backend: AttentionBackend, device: torch.device, block_size: int,
+                        max_workers: int) -> int:
+        """Compile the kernels the model launches itself (beyond its attention backend's, which warms up its own),
+        before serving or capturing; returns how many variants were compiled. None here."""
+        return 0
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [n, V]; with tensor parallelism on rank 0 only (None elsewhere)."""

@@ -223,10 +223,11 @@ class ModelRunner:
         start = time.perf_counter()
         compiled = self.backend.warm_up(self.device, distinct_attention_params(self.model), cc.block_size, mc.dtype, sizes,
                                         sc.max_num_seqs, self.config.warmup_workers, cc.cache_dtype(mc.dtype))
+        compiled += self.model.warm_up_kernels(self.backend, self.device, cc.block_size, self.config.warmup_workers)
         seconds = time.perf_counter() - start
         if compiled:
-            logger.info("kernel warm-up: %d attention variant(s) compiled in %.2f s with up to %d worker(s)",
-                        compiled, seconds, self.config.warmup_workers)
+            logger.info("kernel warm-up: %d attention (and model) kernel variant(s) compiled in %.2f s with up to %d "
+                        "worker(s)", compiled, seconds, self.config.warmup_workers)
         if self.samples:  # the rank that samples: the top-k/top-p kernel for the model's dtype and float32
             seconds += self.sampler.warm_up(self.device, sc.max_num_seqs, mc.vocab_size, mc.dtype,
                                             max_workers=self.config.warmup_workers)

@@ -20,7 +20,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
 import hf_parity
 from hf_parity import check_all, check_every_step
-from surge import LLM
+from surge import LLM, SamplingParams
 from surge.config import ModelConfig
 from surge.core.kv_cache.spec import CompressedEntrySpec, SlidingTokenRowSpec
 from surge.model.loader.base import build_model
@@ -43,6 +43,86 @@ def tiny(request, tmp_path_factory, ties_to_lower_index):
 
 def test_deepseek_v4_matches_hf(tiny):
     check_all(*tiny)
+
+
+def test_deepseek_v4_triton_path_matches_hf(tmp_path, monkeypatch, ties_to_lower_index):
+    """The CUDA path on the CPU (Triton's interpreter): the batched attention (token rows written at once, windows
+    pooled by the compressor kernel, the indexer's scores and top-k, the sparse attention kernel) and the mHC
+    kernels, driven by device lengths only; HF's logits at every step and its greedy tokens, through a prefix-cache
+    hit, prefill in 7-token chunks beside decodes, past two HCA windows. Kept small: the interpreter is slow."""
+    import surge.worker.model_runner as model_runner
+    from surge.attention.triton_backend import TritonAttentionBackend
+
+    monkeypatch.setattr(model_runner, "default_backend_name", lambda device: "triton")
+    launched = []
+    kernels = TritonAttentionBackend.deepseek_v4_kernels
+    monkeypatch.setattr(TritonAttentionBackend, "deepseek_v4_kernels",
+                        lambda self, device: launched.append(device) or kernels(self, device))
+    path = make_tiny_model("deepseek-v4", tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=7,
+              max_model_len=64)
+    for cache in llm.engine.executor.runner.kv_caches:
+        cache.fill_(float("nan"))  # no step may read a row no request wrote
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(3, 256, (12,), generator=g).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate([shared + [5]], greedy, use_tqdm=False)
+    records = hf_parity.record_logits(llm)
+    prompts = [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 3)]
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert llm.engine.kv_cache_manager.prefix_hits > 0 and launched
+    assert len(records) == 3 * len(prompts)
+    runner = llm.engine.executor.runner  # the warm-up's keys (compiled on CUDA) are exactly those launched
+    kernels = runner.backend.deepseek_v4_kernels(runner.device)
+    for kernel, keys in runner.model.kernel_keys(kernels, 4).items():
+        assert set(kernel._compiled) == set(keys), kernel.name
+    hf_parity._check("deepseek-v4-triton", records, prompts, outs, hf, 256)
+
+
+def test_deepseek_v4_triton_path_graph_shaped_steps_match_hf(tmp_path, monkeypatch, ties_to_lower_index):
+    """What a CUDA graph replays, on the CPU: decode and small mixed steps run with the capture's metadata (no host
+    lengths: seq_lens [], query_start_loc 0..n) over the padded buffers (3 decode rows in the graph of 4, in the null
+    block; a mixed step's padding tokens of no request, slot -1, and empty request rows), so any host length the
+    batched path read, or any padding row that leaked, would show in HF's logits."""
+    import surge.worker.model_runner as model_runner
+    from surge.worker.cuda_graph import CUDAGraphRunner
+
+    class GraphShaped(CUDAGraphRunner):
+        def replay(self, num_reqs, adapters=True):
+            bs = self.padded_size(num_reqs)
+            self.inputs.pad_decode(num_reqs, bs)
+            self.replayed.append(("decode", num_reqs, bs))
+            return self.model(self.inputs.input_ids[:bs], self.inputs.model_positions(bs), self._meta(bs))[:num_reqs]
+
+        def replay_mixed(self, num_tokens, num_reqs):
+            t = self.mixed_size(num_tokens, num_reqs)
+            self.inputs.pad_mixed(num_tokens, num_reqs, t, self.mixed_reqs)
+            self.replayed.append(("mixed", num_tokens, t))
+            hidden = self.model(self.inputs.input_ids[:t], self.inputs.model_positions(t), self._mixed_meta(t))
+            return hidden[:num_tokens]
+
+    monkeypatch.setattr(model_runner, "default_backend_name", lambda device: "triton")
+    path = make_tiny_model("deepseek-v4", tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=20,
+              max_model_len=64, max_num_seqs=4)
+    runner = llm.engine.executor.runner
+    assert runner.graph_safe
+    graphs = runner.graph_runner = GraphShaped(runner.model, runner.inputs, runner.backend, 4, 64)
+    graphs.replayed, graphs.graphs, graphs.mixed_graphs = [], dict.fromkeys(graphs.sizes), {16: None}
+    for cache in runner.kv_caches:
+        cache.fill_(float("nan"))
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(3, 256, (12,), generator=g).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate([shared + [5]], greedy, use_tqdm=False)
+    records = hf_parity.record_logits(llm)
+    prompts = [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 3, 6)]
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    kinds = {(kind, n < padded) for kind, n, padded in graphs.replayed}
+    assert {("decode", True), ("mixed", True)} <= kinds and llm.engine.kv_cache_manager.prefix_hits > 0
+    hf_parity._check("deepseek-v4-graph-shaped", records, prompts, outs, hf, 256)
 
 
 def test_deepseek_v4_yarn_compress_rope_matches_hf(tmp_path, ties_to_lower_index):

@@ -9,8 +9,10 @@ KV cache (surge/attention/deepseek_v4.py): every layer caches one row per token,
 layers the compressor's per-token state, in a sliding-window group (kept while the attention's window or the
 compressor's partial window reads it); compressed layers add a cache of their own per rate holding one entry per
 window (and the indexer's key). Both are exact under prefix-cache hits, chunked prefill and preemption (a row depends
-only on its prefix, and a window's entry is made once, from cached state, whichever step completes it). The
-attention is plain torch on every device, so no CUDA graphs yet.
+only on its prefix, and a window's entry is made once, from cached state, whichever step completes it). Under the
+Triton backend (CUDA's) the attention and the hyper-connections run the V4 kernels over the whole batch from device
+lengths (surge/attention/deepseek_v4_triton.py), so decode steps are captured in CUDA graphs; under the torch backend
+(the CPU's) they run request by request in plain torch (surge/attention/deepseek_v4.py), the reference.
 
 Checkpoint names: DeepSeek's (`layers.N.attn.wq_a`, `ffn.experts.E.w1` ...), as transformers' save_pretrained writes
 them (under `model.`, with `head.weight`) and as the released checkpoints do (no prefix, `embed.weight`,
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from surge import envs
+from surge.attention import deepseek_v4_triton as v4k
 from surge.attention.backend import AttentionMetadata
 from surge.attention.deepseek_v4 import (RowLayout, WindowCompressor, close_windows, entry_slots, rows_of,
                                          select_entries, sink_attention, slots_of)
@@ -127,7 +130,7 @@ class TokenRows(Attention):
 
     def __init__(self, num_heads: int, head_dim: int, sliding_window: int, layout: RowLayout, scale: float) -> None:
         super().__init__(num_heads, 1, head_dim, sliding_window, scale=scale)
-        self.params = dataclasses.replace(self.params, has_sinks=True, host_path=True)
+        self.params = dataclasses.replace(self.params, has_sinks=True, host_path=True, device_path=True)
         self.layout = layout
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -140,7 +143,7 @@ class EntryRows(Attention):
 
     def __init__(self, num_heads: int, head_dim: int, layout: RowLayout, scale: float) -> None:
         super().__init__(num_heads, 1, head_dim, scale=scale)
-        self.params = dataclasses.replace(self.params, has_sinks=True, host_path=True)
+        self.params = dataclasses.replace(self.params, has_sinks=True, host_path=True, device_path=True)
         self.layout = layout
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -197,44 +200,84 @@ class DeepseekV4Attention(nn.Module):
         self.entries = EntryRows(self.num_heads, d, layout, d ** -0.5) if self.rate else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: list[AttentionMetadata]) -> torch.Tensor:
-        m, layout = meta[self.attn.group_id], self.attn.layout
-        rows, block_size = rows_of(self.attn.kv_cache), self.attn.kv_cache.shape[2]
-        if self.rate:
-            entries, em = rows_of(self.entries.kv_cache), meta[self.entries.group_id]
         q_res = self.q_norm(self.wq_a(x))
         q = rms_norm(self.wq_b(q_res).view(-1, self.num_heads, self.head_dim), None, self.eps)
         q = rope_tail(q, self.rotary, positions)
-        rows[m.slot_mapping, layout.column("kv")] = rope_tail(self.norm(self.wkv(x)), self.rotary, positions)
-        index_q = index_w = None
+        layout = self.attn.layout
+        # The token rows' columns, in layout order: the shared key-value, the compressors' state.
+        row = {"kv": rope_tail(self.norm(self.wkv(x)), self.rotary, positions)}
         if self.rate:
-            c = self.compressor
-            rows[m.slot_mapping, layout.column("state_kv")] = c.wkv(x)
-            rows[m.slot_mapping, layout.column("state_gate")] = c.wgate(x)
-            close_windows(rows, entries, m, em, block_size, self.rate, c.overlap,
-                          c.params(self.rotary, layout, ("state_kv", "state_gate", "entry")))
+            row.update(state_kv=self.compressor.wkv(x), state_gate=self.compressor.wgate(x))
+        index = None
         if self.indexer is not None:
             ic = self.indexer.compressor
-            rows[m.slot_mapping, layout.column("index_kv")] = ic.wkv(x)
-            rows[m.slot_mapping, layout.column("index_gate")] = ic.wgate(x)
-            close_windows(rows, entries, m, em, block_size, self.rate, True,
-                          ic.params(self.rotary, layout, ("index_kv", "index_gate", "index_entry")))
+            row.update(index_kv=ic.wkv(x), index_gate=ic.wgate(x))
             index_q = self.indexer.wq_b(q_res).view(-1, self.indexer.num_heads, self.indexer.head_dim)
-            index_q = rope_tail(index_q, self.rotary, positions)
-            index_w = self.indexer.weights_proj(x)
+            index = (rope_tail(index_q, self.rotary, positions), self.indexer.weights_proj(x))
+        kernels = self.attn.backend.deepseek_v4_kernels(x.device)
+        if kernels is None:
+            out = self._attend_host(positions, q, row, index, meta)
+        else:
+            out = self._attend_kernels(kernels, positions, q, torch.cat([row[c] for c in layout.token_columns()], -1),
+                                       index, meta)
+        out = rope_tail(out, self.rotary, positions, inverse=True)
+        grouped = out.view(-1, self.groups, self.num_heads * self.head_dim // self.groups)
+        w = self.wo_a.weight.view(self.groups, self.o_rank, -1)  # block-diagonal: one [o_rank, in] block a group
+        grouped = torch.einsum("tgi,gri->tgr", grouped, w)
+        return self.wo_b(grouped.flatten(1))
+
+    def _compressors(self) -> list[tuple[Compressor, tuple[str, str, str]]]:
+        """Each compressor with its state columns and entry column (the indexer's after the attention's)."""
+        out = [(self.compressor, ("state_kv", "state_gate", "entry"))] if self.rate else []
+        if self.indexer is not None:
+            out.append((self.indexer.compressor, ("index_kv", "index_gate", "index_entry")))
+        return out
+
+    def _attend_kernels(self, kernels, positions, q, row, index, meta) -> torch.Tensor:
+        """The batched path (surge/attention/deepseek_v4_triton.py): device lengths only, graph-capturable."""
+        m, layout = meta[self.attn.group_id], self.attn.layout
+        rows = v4k.token_rows(self.attn.kv_cache)
+        block_size = rows.shape[1]
+        step = v4k.StepTokens.of(m, positions)
+        v4k.write_rows(rows, step, row)
+        entries = entry_table = topk = None
+        if self.rate:
+            em = meta[self.entries.group_id]
+            entries, entry_table = v4k.token_rows(self.entries.kv_cache), em.block_table
+            closing = v4k.ClosingWindows.of(step, entry_table, self.rate, block_size)
+            for comp, columns in self._compressors():
+                v4k.pool_windows(kernels, rows, entries, m, closing, comp.params(self.rotary, layout, columns),
+                                 self.rate, comp.overlap)
+        if index is not None:
+            capacity = self.rotary.cos_cache.shape[0] // self.rate  # max_model_len's windows
+            topk = v4k.select_topk(kernels, index[0], index[1], entries[..., layout.column("index_entry")],
+                                   entry_table, step, self.rate, block_size, capacity, self.indexer.topk)
+        return kernels.attention(q, rows[..., layout.column("kv")], m.block_table, step.req, positions,
+                                 self.attn_sink, scale=self.attn.scale, window=self.window,
+                                 entries=None if entries is None else entries[..., layout.column("entry")],
+                                 entry_table=entry_table, rate=self.rate, topk=topk)
+
+    def _attend_host(self, positions, q, row, index, meta) -> torch.Tensor:
+        """The host path (surge/attention/deepseek_v4.py): request by request from the step's host lengths."""
+        m, layout = meta[self.attn.group_id], self.attn.layout
+        rows, block_size = rows_of(self.attn.kv_cache), self.attn.kv_cache.shape[2]
+        for column, value in row.items():
+            rows[m.slot_mapping, layout.column(column)] = value
+        entries = em = None
+        if self.rate:
+            entries, em = rows_of(self.entries.kv_cache), meta[self.entries.group_id]
+            for comp, columns in self._compressors():
+                close_windows(rows, entries, m, em, block_size, self.rate, comp.overlap,
+                              comp.params(self.rotary, layout, columns))
         out = torch.empty_like(q)
         qsl = m.query_start_loc
         for r in range(m.num_reqs):
             start, end = qsl[r], qsl[r + 1]
             if end > start:
                 out[start:end] = self._attend(
-                    rows, m.block_table[r], entries if self.rate else None, em.block_table[r] if self.rate else None,
-                    m.seq_lens[r], q[start:end], block_size,
-                    None if index_q is None else (index_q[start:end], index_w[start:end]))
-        out = rope_tail(out, self.rotary, positions, inverse=True)
-        grouped = out.view(-1, self.groups, self.num_heads * self.head_dim // self.groups)
-        w = self.wo_a.weight.view(self.groups, self.o_rank, -1)  # block-diagonal: one [o_rank, in] block a group
-        grouped = torch.einsum("tgi,gri->tgr", grouped, w)
-        return self.wo_b(grouped.flatten(1))
+                    rows, m.block_table[r], entries, em.block_table[r] if self.rate else None, m.seq_lens[r],
+                    q[start:end], block_size, None if index is None else (index[0][start:end], index[1][start:end]))
+        return out
 
     def _attend(self, rows, table, entries, entry_table, seq_len: int, q, block_size: int, index) -> torch.Tensor:
         """One request's n queries (the last n positions of its seq_len)."""
@@ -337,12 +380,17 @@ class DeepseekV4Layer(nn.Module):
 
     def forward(self, positions, streams: torch.Tensor, input_ids, meta) -> torch.Tensor:
         """streams [T, hc_mult, hidden]: each block reads their mix and adds its output back to each stream."""
-        post, comb, x = mhc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-                                norm_weight=self.attn_norm.weight, **self.hc)
-        streams = mhc_post(self.attn(positions, x, meta), streams, post, comb)
-        post, comb, x = mhc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
-                                norm_weight=self.ffn_norm.weight, **self.hc)
-        return mhc_post(self.ffn(x, input_ids), streams, post, comb)
+        pre, post_mix = mhc_pre, mhc_post
+        kernels = self.attn.attn.backend.deepseek_v4_kernels(streams.device)
+        if kernels is not None:  # the attention's backend runs V4's kernels: the mixes too
+            from surge.kernels.mhc import mhc_post as post_mix
+            pre = kernels.mhc
+        post, comb, x = pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                            norm_weight=self.attn_norm.weight, **self.hc)
+        streams = post_mix(self.attn(positions, x, meta), streams, post, comb)
+        post, comb, x = pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                            norm_weight=self.ffn_norm.weight, **self.hc)
+        return post_mix(self.ffn(x, input_ids), streams, post, comb)
 
 
 class HyperHead(nn.Module):
@@ -434,6 +482,40 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(self.norm(self.hc_head(hidden.view(hidden.shape[0], self.tc.hc_mult, -1))))
+
+    def warm_up_kernels(self, backend, device: torch.device, block_size: int, max_workers: int) -> int:
+        """The batched path's kernels (compressor, indexer scores and top-k, sparse attention, mHC), one variant per
+        distinct layer shape: none depends on the batch, so the capture sizes need nothing more. CUDA only (Triton's
+        interpreter compiles nothing)."""
+        kernels = backend.deepseek_v4_kernels(device)
+        if kernels is None or device.type != "cuda":
+            return 0
+        keys = self.kernel_keys(kernels, block_size)
+        return sum(kernel.compile_many(ks, max_workers=max_workers) for kernel, ks in keys.items() if ks)
+
+    def kernel_keys(self, kernels, block_size: int) -> dict[object, list]:
+        """Each V4 kernel's launch keys for this model's layers (kernels: a DeepseekV4Kernels)."""
+        tc, dtype = self.tc, self.embed_tokens.weight.dtype
+        keys: dict[object, list] = {k: [] for k in (kernels.compressor, kernels.scores, kernels.topk,
+                                                    kernels.attention, kernels.mhc)}
+        for layer in self.layers:
+            attn = layer.attn
+            keys[kernels.attention].append(kernels.attention.dispatch(
+                num_heads=attn.num_heads, head_dim=attn.head_dim, window=attn.window, block_size=block_size,
+                rate=attn.rate, topk=attn.indexer.topk if attn.indexer is not None else 0, dtype=dtype))
+            for comp, _ in attn._compressors():
+                keys[kernels.compressor].append(kernels.compressor.dispatch(
+                    rate=attn.rate, head_dim=comp.norm.weight.shape[0], rope_dim=attn.rotary.rotary_dim,
+                    overlap=comp.overlap, state_block=block_size, dtype=dtype))
+            if attn.indexer is not None:
+                capacity = attn.rotary.cos_cache.shape[0] // attn.rate
+                keys[kernels.scores].append(kernels.scores.dispatch(
+                    num_heads=attn.indexer.num_heads, head_dim=attn.indexer.head_dim,
+                    cache_block=max(1, block_size // attn.rate), max_len=capacity, dtype=dtype, row_seq=True))
+                keys[kernels.topk].append(kernels.topk.dispatch(max_len=capacity, k=attn.indexer.topk))
+        keys[kernels.mhc].append(kernels.mhc.dispatch(hc_mult=tc.hc_mult, hidden_size=tc.hidden_size,
+                                                      sinkhorn_iters=tc.hc_sinkhorn_iters, dtype=dtype))
+        return keys
 
     def checkpoint_name_to_param(self, name: str):
         mapped = super().checkpoint_name_to_param(name)
