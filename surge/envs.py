@@ -72,12 +72,23 @@ def _allow_runtime_lora_updating() -> bool:
     return (value or "").strip().lower() in ("1", "true")
 
 
+def _fp8_gemv() -> str:
+    """SURGE_FP8_GEMV: which decode fp8 GEMV (surge/kernels/gemv.py) serves 1-4 rows: "stream" (the pipelined
+    weight stream, one reduction at the end) or "tiles" (the earlier per-step reduction), to compare both on the GPU
+    in one build. Default stream."""
+    value = os.environ.get("SURGE_FP8_GEMV", "stream")
+    if value not in ("stream", "tiles"):
+        raise ValueError(f"SURGE_FP8_GEMV={value!r} is not supported; supported: stream, tiles")
+    return value
+
+
 _GETTERS = {
     "SURGE_ALLOW_RUNTIME_LORA_UPDATING": _allow_runtime_lora_updating,
     "SURGE_API_KEY": _api_key,
     "SURGE_CACHE_DIR": _cache_dir,
     "ONEDNN_MAX_CPU_ISA": _onednn_max_cpu_isa,
     "SURGE_CPU_PACKED_WEIGHTS": _cpu_packed_weights,
+    "SURGE_FP8_GEMV": _fp8_gemv,
     "SURGE_MOE_ROUTING_SIMULATION": _moe_routing_simulation,
     "SURGE_LOG_LEVEL": _log_level,
     "SURGE_RANK_TIMEOUT": _rank_timeout,

@@ -613,36 +613,60 @@ def check_moe_quant(batches: tuple[int, ...] = (1, 64, 2048), experts: int = 128
 
 
 def check_gemv() -> None:
-    """Batch-1 linear layers of Qwen3-8B: bf16 cuBLAS, fp8 per-token torch._scaled_mm (with its quantization), and
-    the fp8 decode GEMV with the launch policy's choice and the best of a small sweep (GB/s of the weight)."""
+    """Decode linear layers of Qwen3-8B at M = 1, 2, 4: bf16 cuBLAS, fp8 per-token torch._scaled_mm (with its
+    quantization), and the two fp8 decode GEMVs at their policies (the tiles kernel, SURGE_FP8_GEMV=tiles, and the
+    stream kernel, the default), in us and GB/s of the weight; the 36 layers' total a step per kernel; then a sweep
+    of stream launches at M = 1 (best three a layer)."""
     import itertools
 
-    from surge.kernels.gemv import GemvLaunch, fp8_gemv, launch_policy
     from surge.kernels.fp8_quant import scaled_fp8_quant_per_token
+    from surge.kernels.gemv import StreamLaunch, fp8_gemv, launch_policy, stream_policy
 
-    print("# decode GEMV, M=1 (weight bytes / time)")
-    for name, n, k in (("qkv", HQ * HEAD_DIM + 2 * HKV * HEAD_DIM, HIDDEN), ("o", HIDDEN, HQ * HEAD_DIM),
-                       ("gate_up", 2 * INTERMEDIATE, HIDDEN), ("down", HIDDEN, INTERMEDIATE)):
-        x = torch.randn(1, k, device="cuda", dtype=DTYPE)
+    layers = (("qkv", HQ * HEAD_DIM + 2 * HKV * HEAD_DIM, HIDDEN), ("o", HIDDEN, HQ * HEAD_DIM),
+              ("gate_up", 2 * INTERMEDIATE, HIDDEN), ("down", HIDDEN, INTERMEDIATE))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("# decode GEMV (weight bytes / time): tiles = the earlier fp8 GEMV, stream = the default")
+    totals: dict[tuple[str, int], float] = {}
+    weights = {}
+    for name, n, k in layers:
         w16 = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02
         scale = (w16.abs().amax(1, keepdim=True).float() / 448).clamp_min(1e-12)
         w8 = (w16.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-        expected = torch.nn.functional.linear(x.float(), w8.float() * scale)
-        report(f"gemv {name} bf16 cuBLAS", bench(lambda: torch.nn.functional.linear(x, w16)), nbytes=2 * n * k)
+        weights[name] = (w8, scale)
+        for m in (1, 2, 4):
+            x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+            expected = torch.nn.functional.linear(x.float(), w8.float() * scale)
+            cases = {"bf16 cuBLAS": (lambda: torch.nn.functional.linear(x, w16), 2 * n * k)}
 
-        def scaled_mm():
-            q, s = scaled_fp8_quant_per_token(x)
-            return torch._scaled_mm(q, w8.t(), scale_a=s, scale_b=scale.view(1, -1), out_dtype=DTYPE)
-        report(f"gemv {name} fp8 _scaled_mm+quant", bench(scaled_mm), nbytes=n * k)
-        policy = launch_policy(1, n, k)
-        report(f"gemv {name} fp8 gemv {policy.block_n}x{policy.block_k}", bench(lambda: fp8_gemv(x, w8, scale)),
-               nbytes=n * k, err=max_err(fp8_gemv(x, w8, scale), expected), tol=2e-2)
-        sweep = [GemvLaunch(bn, bk, 4, split, stages, once) for bn, bk, split, stages, once
-                 in itertools.product((8, 16), (512, 1024), (1, 4), (1, 3), (False, True))]
-        sweep += [GemvLaunch(4, 2048, 4, split, 3, once) for split in (1, 4) for once in (False, True)]
-        times = sorted((bench(lambda lc=lc: fp8_gemv(x, w8, scale, launch=lc)), str(lc)) for lc in sweep)
-        for seconds, lc in times[:3]:
-            report(f"gemv {name} fp8 gemv {lc}", seconds, nbytes=n * k)
+            def scaled_mm(x=x, w8=w8, scale=scale):
+                q, s = scaled_fp8_quant_per_token(x)
+                return torch._scaled_mm(q, w8.t(), scale_a=s, scale_b=scale.view(1, -1), out_dtype=DTYPE)
+            cases["fp8 _scaled_mm+quant"] = (scaled_mm, n * k)
+            for kernel, launch in (("tiles", launch_policy(m, n, k)), ("stream", stream_policy(m, n, k, sms))):
+                cases[f"fp8 {kernel}"] = (lambda launch=launch, x=x: fp8_gemv(x, w8, scale, launch=launch), n * k)
+            for case, (fn, nbytes) in cases.items():
+                seconds = bench(fn)
+                totals[(case, m)] = totals.get((case, m), 0.0) + seconds
+                err = max_err(fn(), expected) if case.startswith("fp8 ") and "scaled" not in case else None
+                report(f"gemv {name} M={m} {case}", seconds, nbytes=nbytes, err=err, tol=2e-2)
+    fp8_bytes = sum(n * k for _, n, k in layers)
+    for (case, m), seconds in totals.items():
+        nbytes = fp8_bytes * (2 if case.startswith("bf16") else 1)
+        report(f"36 layers M={m} {case}", 36 * seconds, nbytes=36 * nbytes, extra="per step")
+    print("# stream GEMV launch sweep, M=1 (best three a layer)")
+    for name, n, k in layers:
+        w8, scale = weights[name]
+        x = torch.randn(1, k, device="cuda", dtype=DTYPE)
+        sweep = [StreamLaunch(bn, chunks, stages, split) for bn, chunks, stages, split
+                 in itertools.product((8, 16, 32), (16, 32, 64), (2, 3, 4, 5), (1, 2))]
+        times = []
+        for lc in sweep:
+            try:
+                times.append((bench(lambda lc=lc: fp8_gemv(x, w8, scale, launch=lc)), str(lc)))
+            except Exception as e:  # a config the compiler refuses (shared memory): skipped, named
+                print(f"  {lc}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+        for seconds, lc in sorted(times)[:3]:
+            report(f"gemv {name} stream {lc}", seconds, nbytes=n * k)
 
 
 def check_wo_gemm(batches: tuple[int, ...] = (1, 8, 16, 32, 64, 128)) -> None:

@@ -10,7 +10,8 @@ static activation scale float32 [1] (the largest of a merged layer's shards). Na
 
 CUDA with bf16/fp16 activations: up to 4 rows (decode at small batch), surge.kernels.gemv.py streams the fp8
 weight against the activations as they are (weight-only W8A16: the batch-1 step reads each weight byte once, with no
-quantization launch); up to 32 rows the same weight-only math on tensor cores (surge.kernels.fp8_wo_gemm.py: decode
+quantization launch; its stream kernel by default, SURGE_FP8_GEMV=tiles the earlier
+one); up to 32 rows the same weight-only math on tensor cores (surge.kernels.fp8_wo_gemm.py: decode
 batches are still the weight's bandwidth, where cuBLASLt's fp8 tiles are not); more rows, torch._scaled_mm, row-wise
 (scale_a [M, 1], scale_b [1, N]) or block-wise (1x128 x 128x128), activations quantized by
 surge/kernels/fp8_quant.py, or, where an RMSNorm or SiLU-and-mul feeds this layer alone (qkv, gate_up, down), by that
