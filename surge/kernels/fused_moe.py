@@ -80,28 +80,36 @@ def _tiles(block_m: int, n: int, k: int) -> GemmTiles:
 # The pair path while the pairs are at most this many per expert (on average): beyond, experts chosen by several
 # pairs are streamed once by the grouped GEMMs instead of once per pair.
 PAIR_PATH_MAX_PAIRS_PER_EXPERT = 1
-# Programs the pair path aims for: about four resident on each of an H100's / H200's 132 SMs, so that enough weight
-# bytes are in flight to cover the memory latency; and the elements of one weight tile (8 KB of bf16) per load.
-PAIR_PROGRAMS, PAIR_TILE_ELEMENTS = 512, 4096
-MIN_PAIR_BLOCK_N, MAX_PAIR_BLOCK_N = 4, 64
+# Programs the pair path aims for: about four on each of an H100's / H200's 132 SMs, several resident at once (at
+# ~64 registers a thread, eight fit an SM), so that enough weight bytes are in flight to cover the memory latency.
+# A program's weight loads a K step: up to PAIR_STEP_ELEMENTS (16 KB of bf16; gate|up: a gate and an up tile, down:
+# the token's k experts' tiles), each row's stretch from MIN_PAIR_BLOCK_K (128 contiguous bytes) to
+# MAX_PAIR_BLOCK_K: one warp's 32 lanes of 16-byte loads, so that the reduction over K stays within a warp (shuffles,
+# no shared memory and barriers each step).
+PAIR_PROGRAMS, PAIR_STEP_ELEMENTS = 512, 8192
+MIN_PAIR_BLOCK_N, MAX_PAIR_BLOCK_N, MIN_PAIR_BLOCK_K, MAX_PAIR_BLOCK_K = 4, 64, 64, 256
 
 
-def _pair_tiles(programs_per_block_row: int, n: int, k: int) -> PairTiles:
-    """The widest block of output rows (in [MIN_PAIR_BLOCK_N, MAX_PAIR_BLOCK_N]) that still gives PAIR_PROGRAMS
-    programs, and a K tile of PAIR_TILE_ELEMENTS / block_n (at least 64, at most K padded): few rows, a long K
-    stretch of each, contiguous in memory (wide vector loads)."""
+def _pair_tiles(programs_per_block_row: int, tiles: int, n: int, k: int) -> PairTiles:
+    """The widest block of output rows (a power of two, from MIN_PAIR_BLOCK_N up to MAX_PAIR_BLOCK_N and to what
+    leaves MIN_PAIR_BLOCK_K for each of the step's `tiles` tiles) that still gives PAIR_PROGRAMS programs, and the
+    K stretch that fills the step (at most MAX_PAIR_BLOCK_K and K padded): few rows, a long contiguous stretch of
+    each (16-byte loads)."""
+    widest = min(MAX_PAIR_BLOCK_N, max(MIN_PAIR_BLOCK_N, PAIR_STEP_ELEMENTS // (tiles * MIN_PAIR_BLOCK_K)))
     block_n = MIN_PAIR_BLOCK_N
-    while block_n < MAX_PAIR_BLOCK_N and programs_per_block_row * triton.cdiv(n, 2 * block_n) >= PAIR_PROGRAMS:
+    while block_n < widest and programs_per_block_row * triton.cdiv(n, 2 * block_n) >= PAIR_PROGRAMS:
         block_n *= 2
     block_n = min(block_n, max(MIN_PAIR_BLOCK_N, triton.next_power_of_2(n)))
-    block_k = min(max(16, triton.next_power_of_2(k)), max(64, PAIR_TILE_ELEMENTS // block_n))
+    block_k = min(MAX_PAIR_BLOCK_K, max(16, triton.next_power_of_2(k)),
+                  max(16, PAIR_STEP_ELEMENTS // (tiles * block_n)))
     return PairTiles(block_n, block_k)
 
 
 def pair_launch(num_tokens: int, top_k: int, hidden: int, intermediate: int) -> PairLaunch:
-    """The pair path's tiles: gate|up over the tokens' pairs, down over the tokens."""
-    return PairLaunch(_pair_tiles(num_tokens * top_k, intermediate, hidden),
-                      _pair_tiles(num_tokens, hidden, intermediate))
+    """The pair path's tiles: gate|up (a gate and an up tile a step) over the tokens' pairs, down (the k experts'
+    tiles a step) over the tokens."""
+    return PairLaunch(_pair_tiles(num_tokens * top_k, 2, intermediate, hidden),
+                      _pair_tiles(num_tokens, triton.next_power_of_2(top_k), hidden, intermediate))
 
 
 def launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
@@ -312,7 +320,7 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, expert_offset
     """out[pair, n] = act(gate, up) for n in this program's block, gate = x[token] . w[e, n] (+ bias[e, n]),
     up = x[token] . w[e, N + n] (+ bias[e, N + n]), e the pair's (local) expert; nothing for another rank's expert.
     Grid (pairs, row blocks): the pairs of one row block run next to each other. Products summed elementwise in
-    float32 over the K steps, reduced over K once."""
+    float32."""
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int32) - expert_offset
     if (expert >= 0) & (expert < num_experts):
@@ -321,19 +329,21 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, expert_offset
         col_ok = cols < N
         g_rows = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
         u_rows = g_rows + N * stride_wn
-        gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        # x broadcast over the block's rows in the load itself (the repeats hit L1): loaded straight into the
+        # weights' layout, where a [BLOCK_K] vector would be redistributed through shared memory each step.
+        x_rows = x_ptr + token * stride_xm + 0 * cols[:, None]
+        gate_n = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        up_n = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            x = tl.load(x_ptr + token * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            tile_ok = col_ok[:, None] & k_ok[None, :]
-            g = tl.load(g_rows + k[None, :], mask=tile_ok, other=0.0, eviction_policy="evict_first")
-            u = tl.load(u_rows + k[None, :], mask=tile_ok, other=0.0, eviction_policy="evict_first")
-            gate += g.to(tl.float32) * x
-            up += u.to(tl.float32) * x
-        gate_n = tl.sum(gate, axis=1)
-        up_n = tl.sum(up, axis=1)
+            k = (k0 + tl.arange(0, BLOCK_K))[None, :]
+            tile_ok = col_ok[:, None] & (k < K)
+            x = tl.load(x_rows + k, mask=tile_ok, other=0.0).to(tl.float32)
+            g = tl.load(g_rows + k, mask=tile_ok, other=0.0, eviction_policy="evict_first")
+            u = tl.load(u_rows + k, mask=tile_ok, other=0.0, eviction_policy="evict_first")
+            # Reduced each step (a few shuffles): an elementwise accumulator would hold twice the tile in
+            # registers, and fewer programs would fit an SM.
+            gate_n += tl.sum(g.to(tl.float32) * x, axis=1)
+            up_n += tl.sum(u.to(tl.float32) * x, axis=1)
         if HAS_BIAS:
             b_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + cols
             gate_n += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)
@@ -345,34 +355,38 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, expert_offset
 @triton.jit
 def _token_down_kernel(a_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr, out_ptr, expert_offset, num_experts, N, K,
                        stride_am, stride_we, stride_wn, stride_be, stride_om, TOP_K: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """out[t, n] = the sum over slots j, in slot order and float32, of weight[t, j] * (a[t * TOP_K + j] . w[e_j, n]
-    (+ bias[e_j, n])), skipping the slots whose expert another rank holds (their rows of a were never written, their
-    loads are masked off): the down projection, the router weight and the combine in one kernel."""
+                       TOP_K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr):
+    """out[t, n] = the sum over slots j, in float32, of weight[t, j] * (a[t * TOP_K + j] . w[e_j, n] (+ bias[e_j,
+    n])), skipping the slots whose expert another rank holds (their rows of a were never written, their loads are
+    masked off): the down projection, the router weight and the combine in one kernel. The token's k experts are
+    read together, one [TOP_K_PAD, BLOCK_N, BLOCK_K] tile a step: the ids are one load and every step's weight
+    loads are issued at once (a loop over the slots would wait on each slot's loads in turn)."""
     token = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, TOP_K_PAD)
+    pairs = token * TOP_K + slots
+    expert = tl.load(ids_ptr + pairs, mask=slots < TOP_K, other=-1).to(tl.int32) - expert_offset
+    here = (slots < TOP_K) & (expert >= 0) & (expert < num_experts)
+    expert64 = tl.where(here, expert, 0).to(tl.int64)
+    weight = tl.load(weights_ptr + pairs, mask=here, other=0.0).to(tl.float32)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    cols64 = cols.to(tl.int64)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        pair = token * TOP_K + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int32) - expert_offset
-        here = (expert >= 0) & (expert < num_experts)
-        w_rows = w_ptr + tl.where(here, expert, 0).to(tl.int64) * stride_we + cols64[:, None] * stride_wn
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = (k < K) & here
-            a = tl.load(a_ptr + pair * stride_am + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            acc += w.to(tl.float32) * a
-        y = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + tl.where(here, expert, 0).to(tl.int64) * stride_be + cols, mask=col_ok & here,
-                         other=0.0).to(tl.float32)
-        weight = tl.load(weights_ptr + pair, mask=here, other=0.0).to(tl.float32)
-        total += tl.where(here, y * weight, 0.0)
+    w_rows = w_ptr + expert64[:, None, None] * stride_we + cols.to(tl.int64)[None, :, None] * stride_wn
+    # a's rows broadcast over the block's columns in the loads themselves (the repeats hit L1): loaded straight into
+    # the weights' layout, where a [TOP_K_PAD, 1, BLOCK_K] tile would be redistributed through shared memory.
+    a_rows = a_ptr + pairs[:, None, None] * stride_am + 0 * cols[None, :, None]
+    rows_ok = here[:, None, None] & col_ok[None, :, None]
+    y = tl.zeros((TOP_K_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
+        k_ok = k < K
+        a = tl.load(a_rows + k, mask=rows_ok & k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k, mask=rows_ok & k_ok, other=0.0, eviction_policy="evict_first")
+        y += tl.sum(w.to(tl.float32) * a, axis=2)  # each step (as in _pair_gate_up_kernel)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + expert64[:, None] * stride_be + cols[None, :], mask=here[:, None] & col_ok[None, :],
+                     other=0.0).to(tl.float32)
+    total = tl.sum(tl.where(here[:, None], y * weight[:, None], 0.0), axis=0)
     tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -590,5 +604,5 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top
     _token_down_kernel[(num_tokens, triton.cdiv(hidden, t.block_n))](
         act, down, down_b, topk_weights.contiguous(), ids, out, expert_offset, num_experts, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), down_b.stride(0), out.stride(0), TOP_K=top_k,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=down_bias is not None, num_warps=t.num_warps)
+        TOP_K_PAD=triton.next_power_of_2(top_k), BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=down_bias is not None, num_warps=t.num_warps)
     return out

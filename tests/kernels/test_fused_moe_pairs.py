@@ -44,9 +44,9 @@ def _pair_launches(num_tokens, top_k, hidden, inter):
             PairLaunch(PairTiles(16, 32, num_warps=1), PairTiles(4, 64, num_warps=2))]
 
 
-# (tokens, experts, top_k, hidden, intermediate): one token; K and N not multiples of any tile; top 1; as many
-# pairs as experts (some experts chosen twice).
-SHAPES = [(1, 8, 2, 64, 32), (3, 16, 2, 48, 40), (5, 8, 1, 40, 24), (4, 8, 2, 32, 56)]
+# (tokens, experts, top_k, hidden, intermediate): one token; K and N not multiples of any tile; top 1; top 3 (k
+# padded to 4 slots); as many pairs as experts (some experts chosen twice).
+SHAPES = [(1, 8, 2, 64, 32), (3, 16, 2, 48, 40), (5, 8, 1, 40, 24), (2, 8, 3, 40, 24), (4, 8, 2, 32, 56)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"T{s[0]}-E{s[1]}-k{s[2]}-H{s[3]}-I{s[4]}" for s in SHAPES])
@@ -125,8 +125,8 @@ def test_pair_path_bf16_equals_reference_and_grouped_path(device, require_bf16_d
 
 
 def test_pair_policy_boundaries():
-    from surge.kernels.fused_moe import (MAX_PAIR_BLOCK_N, MIN_PAIR_BLOCK_N, PAIR_PROGRAMS, PairTiles,
-                                         launch_policy, pair_launch)
+    from surge.kernels.fused_moe import (MAX_PAIR_BLOCK_K, MAX_PAIR_BLOCK_N, MIN_PAIR_BLOCK_N, PAIR_PROGRAMS,
+                                         PairTiles, launch_policy, pair_launch)
 
     def pairs(tokens, top_k=8, experts=128, quant="none"):
         return launch_policy(tokens, top_k, experts, 2048, 768, quant).pairs
@@ -136,12 +136,15 @@ def test_pair_policy_boundaries():
     assert pairs(4, top_k=2, experts=8) is not None and pairs(5, top_k=2, experts=8) is None  # Mixtral
     assert pairs(1, quant="fp8_block") is None and pairs(1, quant="mxfp4") is None
     # Batch 1: gate|up's 8 pairs x 768 rows in blocks of 8 (768 programs; 16 would give 384 < PAIR_PROGRAMS),
-    # down's 2048 columns in blocks of 4 (512 programs) over the whole K of 768 at once.
+    # down's 2048 columns in blocks of 4 (512 programs), the 8 experts' [4, 256] tiles a step; K steps of one
+    # warp's width (MAX_PAIR_BLOCK_K).
     one = pairs(1)
-    assert one.gate_up == PairTiles(8, 512) and one.down == PairTiles(4, 1024)
+    assert one.gate_up == PairTiles(8, MAX_PAIR_BLOCK_K) and one.down == PairTiles(4, MAX_PAIR_BLOCK_K)
     assert 8 * 768 // 8 >= PAIR_PROGRAMS > 8 * 768 // 16 and 2048 // 4 == PAIR_PROGRAMS
-    assert pairs(4).gate_up == PairTiles(32, 128) and pairs(4).down == PairTiles(16, 256)
-    assert pairs(16).gate_up == PairTiles(MAX_PAIR_BLOCK_N, 64) and pairs(16).down == PairTiles(64, 64)
+    assert pairs(4).gate_up == PairTiles(32, 128) and pairs(4).down == PairTiles(16, 64)
+    # Down's block of rows stops where 8 experts' tiles of MIN_PAIR_BLOCK_K fill a step; gate|up's at the maximum.
+    assert pairs(16).gate_up == PairTiles(MAX_PAIR_BLOCK_N, 64) and pairs(16).down == PairTiles(16, 64)
+    assert pairs(16, top_k=2, experts=32).down == PairTiles(64, 64)
     # The row block doubles only while twice as wide still gives PAIR_PROGRAMS programs: N, N + 1 rows.
     assert pair_launch(1, 1, 64, 8 * 511 + 1).gate_up.block_n == 8 and pair_launch(1, 1, 64, 8 * 511).gate_up.block_n == 4
     # Tiny shapes: the row block never below MIN_PAIR_BLOCK_N, the K tile never past K padded (nor below 16).
