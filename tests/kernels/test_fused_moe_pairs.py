@@ -162,3 +162,13 @@ def test_uniform_weights_router(device):
     expected = torch.topk(scores.cpu(), 6, dim=-1).indices
     assert torch.equal(ids.cpu().long(), expected)
     assert torch.equal(weights.cpu(), torch.full((5, 6), 1 / 6, dtype=torch.bfloat16))
+
+
+def test_router_warps_boundary():
+    """One warp while a program's tile is at most ROUTER_ONE_WARP_ELEMENTS (a decode row of up to 256 experts)."""
+    from surge.kernels.moe_routing import ROUTER_ONE_WARP_ELEMENTS, router_launch
+
+    assert ROUTER_ONE_WARP_ELEMENTS == 256
+    assert router_launch(1, 128, 8).num_warps == 1 and router_launch(16, 256, 8).num_warps == 1
+    assert router_launch(1, 257, 8).num_warps == 4  # 512 lanes
+    assert router_launch(17, 128, 8).num_warps == 4  # 16 rows a program from 17 tokens: 2048 elements
