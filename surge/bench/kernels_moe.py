@@ -10,9 +10,10 @@ For each M, the old path beside the new one, in us and in GB/s of the weight byt
 Then the routing simulation (SURGE_MOE_ROUTING_SIMULATION=uniform_random, which prof-moe and the vLLM comparison
 use): torch.rand + topk + cast + fill before, torch.rand + the router kernel now.
 
-`--only moe-sweep`: pair-path tiles at M = 1, 4 and 16, one kernel's tiles varied at a time (the other at the
-policy's), the best five of each against the policy's own: what to set PAIR_PROGRAMS, PAIR_STEP_ELEMENTS and the
-block bounds in surge/kernels/fused_moe.py from.
+`--only moe-sweep`: pair-path tiles at M = 1 and 16 (block rows x K step, 4 warps, software pipeline of 1 or 2
+stages; the policy's tile with 2 and 8 warps), one kernel's tiles varied at a time (the other at the policy's), the
+best five of each beside the policy's own: what to set PAIR_PROGRAMS, PAIR_STEP_ELEMENTS, the block bounds and
+PairTiles' stages in surge/kernels/fused_moe.py from.
 """
 from __future__ import annotations
 
@@ -111,14 +112,15 @@ def check_moe_paths(bench: Callable, report: Callable, max_err: Callable, batche
               f"{nbytes / new_layer / 1e9:7.0f}  ({old_layer / new_layer:.2f}x)", flush=True)
 
 
-def check_moe_sweep(bench: Callable, report: Callable, batches: tuple[int, ...] = (1, 4, 16),
+def check_moe_sweep(bench: Callable, report: Callable, batches: tuple[int, ...] = (1, 16),
                     shape: MoeShape = MoeShape()) -> None:
     from surge.kernels.fused_moe import PairTiles, pair_experts, pair_launch
     from surge.kernels.moe_routing import route
 
     gate_up, down = shape.experts_weights()
     top_k, hidden, inter = shape.top_k, shape.hidden, shape.inter
-    tiles = [PairTiles(n, k, w) for n, k, w in itertools.product((4, 8, 16, 32, 64), (64, 128, 256, 512), (2, 4, 8))]
+    tiles = [PairTiles(n, k, 4, stages)
+             for n, k, stages in itertools.product((4, 8, 16, 32, 64), (64, 128, 256), (1, 2))]
     print("# pair-path tile sweep (the pair path's two kernels timed together; one kernel's tiles varied)")
     for tokens in batches:
         x, logits = shape.batch(tokens)
@@ -128,10 +130,11 @@ def check_moe_sweep(bench: Callable, report: Callable, batches: tuple[int, ...] 
         report(f"moe sweep T={tokens} policy", bench(lambda: pair_experts(x, gate_up, down, weights, ids, policy)),
                nbytes=nbytes, extra=f"{policy}")
         for kernel in ("gate_up", "down"):
+            own = getattr(policy, kernel)
             times = []
-            for t in tiles:
+            for t in tiles + [dataclasses.replace(own, num_warps=w, num_stages=st) for w in (2, 8) for st in (1, 2)]:
                 launch = dataclasses.replace(policy, **{kernel: t})
                 times.append((bench(lambda launch=launch: pair_experts(x, gate_up, down, weights, ids, launch)), t))
             for seconds, t in sorted(times, key=lambda item: item[0])[:5]:
-                report(f"moe sweep T={tokens} {kernel} {t.block_n}x{t.block_k} w{t.num_warps}", seconds,
-                       nbytes=nbytes)
+                report(f"moe sweep T={tokens} {kernel} {t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}",
+                       seconds, nbytes=nbytes, extra="the policy's" if t == own else "")

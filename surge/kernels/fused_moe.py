@@ -52,6 +52,7 @@ class PairTiles:
     block_n: int
     block_k: int
     num_warps: int = 4
+    num_stages: int = 1  # > 1: Triton's software pipeline (cp.async) keeps later K steps' loads in flight
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,7 @@ def _combine_kernel(rows_ptr, ids_ptr, out_ptr, hidden, expert_offset, num_exper
 def _pair_gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, expert_offset, num_experts, N, K, stride_xm,
                          stride_we, stride_wn, stride_be, stride_om, alpha, limit, TOP_K: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         ACTIVATION: tl.constexpr):
+                         ACTIVATION: tl.constexpr, NUM_STAGES: tl.constexpr):
     """out[pair, n] = act(gate, up) for n in this program's block, gate = x[token] . w[e, n] (+ bias[e, n]),
     up = x[token] . w[e, N + n] (+ bias[e, N + n]), e the pair's (local) expert; nothing for another rank's expert.
     Grid (pairs, row blocks): the pairs of one row block run next to each other. Products summed elementwise in
@@ -334,7 +335,7 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, expert_offset
         x_rows = x_ptr + token * stride_xm + 0 * cols[:, None]
         gate_n = tl.zeros((BLOCK_N,), dtype=tl.float32)
         up_n = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = (k0 + tl.arange(0, BLOCK_K))[None, :]
             tile_ok = col_ok[:, None] & (k < K)
             x = tl.load(x_rows + k, mask=tile_ok, other=0.0).to(tl.float32)
@@ -356,7 +357,7 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, expert_offset
 def _token_down_kernel(a_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr, out_ptr, expert_offset, num_experts, N, K,
                        stride_am, stride_we, stride_wn, stride_be, stride_om, TOP_K: tl.constexpr,
                        TOP_K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
     """out[t, n] = the sum over slots j, in float32, of weight[t, j] * (a[t * TOP_K + j] . w[e_j, n] (+ bias[e_j,
     n])), skipping the slots whose expert another rank holds (their rows of a were never written, their loads are
     masked off): the down projection, the router weight and the combine in one kernel. The token's k experts are
@@ -377,7 +378,7 @@ def _token_down_kernel(a_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr, out_ptr, ex
     a_rows = a_ptr + pairs[:, None, None] * stride_am + 0 * cols[None, :, None]
     rows_ok = here[:, None, None] & col_ok[None, :, None]
     y = tl.zeros((TOP_K_PAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
         k_ok = k < K
         a = tl.load(a_rows + k, mask=rows_ok & k_ok, other=0.0).to(tl.float32)
@@ -597,12 +598,13 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top
         x, gate_up, gate_up_b, act, ids, expert_offset, num_experts, inter, hidden, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), gate_up_b.stride(0), act.stride(0), float(swiglu_alpha), float(swiglu_limit),
         TOP_K=top_k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=gate_up_bias is not None, ACTIVATION=activation,
-        num_warps=t.num_warps)
+        NUM_STAGES=t.num_stages, num_warps=t.num_warps)
     out = torch.empty_like(x)
     t = launch.down
     down_b = down if down_bias is None else down_bias.contiguous()
     _token_down_kernel[(num_tokens, triton.cdiv(hidden, t.block_n))](
         act, down, down_b, topk_weights.contiguous(), ids, out, expert_offset, num_experts, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), down_b.stride(0), out.stride(0), TOP_K=top_k,
-        TOP_K_PAD=triton.next_power_of_2(top_k), BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=down_bias is not None, num_warps=t.num_warps)
+        TOP_K_PAD=triton.next_power_of_2(top_k), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        HAS_BIAS=down_bias is not None, NUM_STAGES=t.num_stages, num_warps=t.num_warps)
     return out

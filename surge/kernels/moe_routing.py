@@ -3,8 +3,9 @@ one kernel) and the block alignment of the (token, expert) pairs (one launch for
 
 Both replace chains of small torch ops (topk's sorts, cumsum, searchsorted, scatter, ...) that cost more than the
 expert GEMMs at batch 1. Decode-sized batches skip the alignment altogether: fused_moe's pair path reads the router's
-ids and weights as they are, so a decode step routes in this one router launch. Static shapes, no host sync: a CUDA graph replays any routing. Their definitions are the
-torch code in surge/model/layers/moe.py (select_experts) and surge/kernels/reference.py (align_to_blocks).
+ids and weights as they are, so a decode step routes in this one router launch. Static shapes, no host sync: a CUDA
+graph replays any routing. Their definitions are the torch code in surge/model/layers/moe.py (select_experts) and
+surge/kernels/reference.py (align_to_blocks).
 """
 from __future__ import annotations
 

@@ -39,8 +39,10 @@ def no_alignment(monkeypatch):
 def _pair_launches(num_tokens, top_k, hidden, inter):
     from surge.kernels.fused_moe import PairLaunch, PairTiles, pair_launch
 
-    # The policy's tiles; tiles smaller than the dimensions (several K steps, partial row blocks); one warp.
-    return [pair_launch(num_tokens, top_k, hidden, inter), PairLaunch(PairTiles(4, 16), PairTiles(8, 16)),
+    # The policy's tiles; tiles smaller than the dimensions (several K steps, partial row blocks), pipelined; one
+    # warp.
+    return [pair_launch(num_tokens, top_k, hidden, inter),
+            PairLaunch(PairTiles(4, 16, num_stages=2), PairTiles(8, 16, num_stages=3)),
             PairLaunch(PairTiles(16, 32, num_warps=1), PairTiles(4, 64, num_warps=2))]
 
 
@@ -146,7 +148,8 @@ def test_pair_policy_boundaries():
     assert pairs(16).gate_up == PairTiles(MAX_PAIR_BLOCK_N, 64) and pairs(16).down == PairTiles(16, 64)
     assert pairs(16, top_k=2, experts=32).down == PairTiles(64, 64)
     # The row block doubles only while twice as wide still gives PAIR_PROGRAMS programs: N, N + 1 rows.
-    assert pair_launch(1, 1, 64, 8 * 511 + 1).gate_up.block_n == 8 and pair_launch(1, 1, 64, 8 * 511).gate_up.block_n == 4
+    assert pair_launch(1, 1, 64, 8 * 511 + 1).gate_up.block_n == 8
+    assert pair_launch(1, 1, 64, 8 * 511).gate_up.block_n == 4
     # Tiny shapes: the row block never below MIN_PAIR_BLOCK_N, the K tile never past K padded (nor below 16).
     tiny = pair_launch(1, 1, 8, 3)
     assert tiny.gate_up == PairTiles(MIN_PAIR_BLOCK_N, 16) and tiny.down == PairTiles(MIN_PAIR_BLOCK_N, 16)
