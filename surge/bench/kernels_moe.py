@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 DTYPE = torch.bfloat16
+LAYERS = 48  # Qwen3-30B-A3B's MoE layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +107,12 @@ def check_moe_paths(bench: Callable, report: Callable, max_err: Callable, batche
         now = bench(lambda: uniform_random_routing(logits, top_k, DTYPE))
         report(f"moe T={tokens} routing simulation", now, extra=f"before {before * 1e6:.1f} us (rand, topk, cast, "
                                                                 f"fill); now rand + router kernel")
-    print("# MoE layer but the router GEMM, old (grouped) vs new (policy): M, us old, us new, GB/s old, GB/s new")
+    print(f"# MoE layer but the router GEMM, old (grouped) vs new (policy): M, us old, us new, GB/s old, GB/s new, "
+          f"ms a step over {LAYERS} layers old, new")
     for tokens, old_layer, new_layer, nbytes in summary:
         print(f"moe-layer M={tokens:<3} {old_layer * 1e6:8.1f} {new_layer * 1e6:8.1f} {nbytes / old_layer / 1e9:7.0f} "
-              f"{nbytes / new_layer / 1e9:7.0f}  ({old_layer / new_layer:.2f}x)", flush=True)
+              f"{nbytes / new_layer / 1e9:7.0f} {old_layer * LAYERS * 1e3:6.2f} {new_layer * LAYERS * 1e3:6.2f}  "
+              f"({old_layer / new_layer:.2f}x)", flush=True)
 
 
 def check_moe_sweep(bench: Callable, report: Callable, batches: tuple[int, ...] = (1, 16),
