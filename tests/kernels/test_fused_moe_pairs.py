@@ -183,3 +183,17 @@ def test_router_warps_boundary():
     assert router_launch(1, 128, 8).num_warps == 1 and router_launch(16, 256, 8).num_warps == 1
     assert router_launch(1, 257, 8).num_warps == 4  # 512 lanes
     assert router_launch(17, 128, 8).num_warps == 4  # 16 rows a program from 17 tokens: 2048 elements
+
+
+def test_pair_launch_refuses_quantized_experts():
+    """The pair path has no quantized variant: the policy never picks it for them, and an explicit launch says so."""
+    from surge.kernels.fused_moe import MoeQuant, fused_moe, launch_policy
+
+    x = torch.randn(1, 32)
+    gate_up = torch.zeros(4, 32, 32, dtype=torch.float8_e4m3fn)
+    down = torch.zeros(4, 32, 16, dtype=torch.float8_e4m3fn)
+    quant = MoeQuant("fp8_channel", torch.ones(4, 32), torch.ones(4, 32))
+    ids, weights = torch.tensor([[0, 1]]), torch.full((1, 2), 0.5)
+    assert launch_policy(1, 2, 4, 32, 16, "fp8_channel").pairs is None
+    with pytest.raises(ValueError, match="pair path"):
+        fused_moe(x, gate_up, down, weights, ids, launch=launch_policy(1, 2, 4, 32, 16), quant=quant)
