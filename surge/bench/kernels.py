@@ -729,8 +729,8 @@ def check_wo_gemm(batches: tuple[int, ...] = (1, 8, 16, 32, 64, 128)) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes")
-    parser.add_argument("--only", choices=["layers", "attention", "mla", "sampling", "moe", "quant", "int4", "gemv",
-                                           "wo"],
+    parser.add_argument("--only", choices=["layers", "attention", "mla", "sampling", "moe", "moe-sweep", "quant",
+                                           "int4", "gemv", "wo"],
                         help="one group of kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -747,7 +747,12 @@ def main() -> None:
     if args.only in (None, "sampling"):
         check_sampling(args.quick)
     if args.only in (None, "moe"):
+        from surge.bench.kernels_moe import check_moe_paths
+        check_moe_paths(bench, report, max_err)
         check_moe()
+    if args.only == "moe-sweep":
+        from surge.bench.kernels_moe import check_moe_sweep
+        check_moe_sweep(bench, report)
     if args.only in (None, "quant"):
         check_quant((1, 16, 4096) if args.quick else (1, 16, 256, 4096))
         check_fused_quant((1, 64, 4096) if args.quick else (1, 16, 64, 256, 4096))

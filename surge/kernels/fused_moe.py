@@ -12,6 +12,20 @@ scales and 1 x 128 dynamic activation groups (the scales applied per K tile), fp
 weight scales and per-token (or static) activation scales (applied once after the K loop), or MXFP4 weights decoded
 to bf16 in registers (a 16-entry e2m1 table, the e8m0 scale a power of two). The reference is the same loop on the
 dequantized weights, activations quantized and dequantized alike (quant_reference).
+
+Few tokens (decode: at most one pair per expert on average, MoeLaunch.pairs set by launch_policy) take the pair
+path instead: no alignment and no combine launch. One GEMV-like program per (pair, block of gate|up rows) streams
+that block of its expert's rows (evicted first: read once), multiplies by the token's row in float32 and applies
+the activation; then one program per (token, block of hidden columns) runs the down projection of its k pairs in
+slot order, weights them and sums them in float32 (the combine, fused). Blocks of rows are small so that there are
+several programs per SM (enough loads in flight to cover the memory latency); a pair's program reads only its
+expert, so an expert that two pairs chose is read twice, from L2 the second time while their programs run
+together (the grid puts the pairs of one row block next to each other). Bias and every activation alike; the
+quantized variants keep the grouped kernels. Qwen3-30B-A3B at batch 1 (compiled for sm_90: scripts/triton_sass.py):
+gate|up 768 programs of 8 x 256 rows x columns a step (gate and up: 8 KB), 40 registers a thread; down 512 programs
+of 8 experts x 4 x 256 a step (16 KB), 64 registers; both all resident at once, 6-8 MB in flight, above HBM3e's
+bandwidth-latency product (~5 MB), with 16-byte loads and no shared memory or barrier in their K loops. To be
+confirmed on the H200 by `bench kernels --only moe` (and tuned by `--only moe-sweep`).
 """
 from __future__ import annotations
 
@@ -37,11 +51,27 @@ class GemmTiles:
 
 
 @dataclass(frozen=True)
+class PairTiles:
+    """A pair-path kernel's [block_n, block_k] weight tile per load (block_n output rows, block_k of the K axis)."""
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1  # > 1: Triton's software pipeline (cp.async) keeps later K steps' loads in flight
+
+
+@dataclass(frozen=True)
+class PairLaunch:
+    gate_up: PairTiles  # programs: pairs x cdiv(intermediate, block_n)
+    down: PairTiles  # programs: tokens x cdiv(hidden, block_n), each over its k pairs
+
+
+@dataclass(frozen=True)
 class MoeLaunch:
     block_m: int  # rows (pairs) per block: each expert's pairs are padded to a multiple of it
     gate_up: GemmTiles  # N: the intermediate size (gate and up both), K: hidden
     down: GemmTiles  # N: hidden, K: the intermediate size
     combine_block: int = 1024  # hidden columns per program of the weighted rows' sum
+    pairs: PairLaunch | None = None  # set: the pair path (no alignment, no combine) instead of the grouped GEMMs
 
 
 def _tiles(block_m: int, n: int, k: int) -> GemmTiles:
@@ -52,9 +82,46 @@ def _tiles(block_m: int, n: int, k: int) -> GemmTiles:
     return GemmTiles(block_n, block_k, num_warps=4, num_stages=4 if block_m <= 32 else 3)
 
 
-def launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int) -> MoeLaunch:
+# The pair path while the pairs are at most this many per expert (on average): beyond, experts chosen by several
+# pairs are streamed once by the grouped GEMMs instead of once per pair.
+PAIR_PATH_MAX_PAIRS_PER_EXPERT = 1
+# Programs the pair path aims for: about four on each of an H100's / H200's 132 SMs, several resident at once (at
+# ~64 registers a thread, eight fit an SM), so that enough weight bytes are in flight to cover the memory latency.
+# A program's weight loads a K step: up to PAIR_STEP_ELEMENTS (16 KB of bf16; gate|up: a gate and an up tile, down:
+# the token's k experts' tiles), each row's stretch from MIN_PAIR_BLOCK_K (128 contiguous bytes) to
+# MAX_PAIR_BLOCK_K: one warp's 32 lanes of 16-byte loads, so that the reduction over K stays within a warp (shuffles,
+# no shared memory and barriers each step).
+PAIR_PROGRAMS, PAIR_STEP_ELEMENTS = 512, 8192
+MIN_PAIR_BLOCK_N, MAX_PAIR_BLOCK_N, MIN_PAIR_BLOCK_K, MAX_PAIR_BLOCK_K = 4, 64, 64, 256
+
+
+def _pair_tiles(programs_per_block_row: int, tiles: int, n: int, k: int) -> PairTiles:
+    """The widest block of output rows (a power of two, from MIN_PAIR_BLOCK_N up to MAX_PAIR_BLOCK_N and to what
+    leaves MIN_PAIR_BLOCK_K for each of the step's `tiles` tiles) that still gives PAIR_PROGRAMS programs, and the
+    K stretch that fills the step (at most MAX_PAIR_BLOCK_K and K padded): few rows, a long contiguous stretch of
+    each (16-byte loads)."""
+    widest = min(MAX_PAIR_BLOCK_N, max(MIN_PAIR_BLOCK_N, PAIR_STEP_ELEMENTS // (tiles * MIN_PAIR_BLOCK_K)))
+    block_n = MIN_PAIR_BLOCK_N
+    while block_n < widest and programs_per_block_row * triton.cdiv(n, 2 * block_n) >= PAIR_PROGRAMS:
+        block_n *= 2
+    block_n = min(block_n, max(MIN_PAIR_BLOCK_N, triton.next_power_of_2(n)))
+    block_k = min(MAX_PAIR_BLOCK_K, max(16, triton.next_power_of_2(k)),
+                  max(16, PAIR_STEP_ELEMENTS // (tiles * block_n)))
+    return PairTiles(block_n, block_k)
+
+
+def pair_launch(num_tokens: int, top_k: int, hidden: int, intermediate: int) -> PairLaunch:
+    """The pair path's tiles: gate|up (a gate and an up tile a step) over the tokens' pairs, down (the k experts'
+    tiles a step) over the tokens."""
+    return PairLaunch(_pair_tiles(num_tokens * top_k, 2, intermediate, hidden),
+                      _pair_tiles(num_tokens, triton.next_power_of_2(top_k), hidden, intermediate))
+
+
+def launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
+                  quant: str = "none") -> MoeLaunch:
     """Pure function of shapes: the batch's token count (a CUDA graph's capture size under graphs, never a live
-    routing), the experts and the projections. block_m covers the pairs an expert receives on average."""
+    routing), the experts and the projections. block_m covers the pairs an expert receives on average. The pair
+    path (unquantized experts only) while the pairs are at most PAIR_PATH_MAX_PAIRS_PER_EXPERT per expert."""
     for name, value in (("num_tokens", num_tokens), ("top_k", top_k), ("num_experts", num_experts),
                         ("hidden", hidden), ("intermediate", intermediate)):
         if value < 1:
@@ -64,8 +131,11 @@ def launch_policy(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
     pairs_per_expert = triton.cdiv(num_tokens * top_k, num_experts)
     block_m = min(MAX_BLOCK_M, max(MIN_BLOCK_M, triton.next_power_of_2(pairs_per_expert)))
     # The gate|up GEMM's N is each half's width: one program computes a tile of gate and the same tile of up.
+    pairs = None
+    if quant == "none" and num_tokens * top_k <= PAIR_PATH_MAX_PAIRS_PER_EXPERT * num_experts:
+        pairs = pair_launch(num_tokens, top_k, hidden, intermediate)
     return MoeLaunch(block_m, _tiles(block_m, intermediate, hidden), _tiles(block_m, hidden, intermediate),
-                     combine_block=min(1024, max(16, triton.next_power_of_2(hidden))))
+                     combine_block=min(1024, max(16, triton.next_power_of_2(hidden))), pairs=pairs)
 
 
 # e2m1 magnitudes (codes 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6) in quarters, 5 bits each: the MXFP4 decode table, held
@@ -98,6 +168,22 @@ def _weight_tile(w_rows, scale_rows, k0, K, col_ok, BLOCK_K: tl.constexpr, QUANT
         k = k0 + tl.arange(0, BLOCK_K)
         tile = tl.load(w_rows[None, :] + k[:, None], mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
     return tile
+
+
+@triton.jit
+def _activate(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
+    """reference.expert_activation on float32 gate and up."""
+    if ACTIVATION == "swiglu_oai":
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    elif ACTIVATION == "silu_clamped":
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        act = gate / (1.0 + tl.exp(-gate)) * up
+    return act
 
 
 @triton.jit
@@ -159,16 +245,7 @@ def _gate_up_act_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_pt
             b_ptrs = bias_ptr + expert * stride_be + cols
             gate += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             up += tl.load(b_ptrs + N, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if ACTIVATION == "swiglu_oai":
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
-        elif ACTIVATION == "silu_clamped":
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            act = gate / (1.0 + tl.exp(-gate)) * up
-        else:
-            act = gate / (1.0 + tl.exp(-gate)) * up
+        act = _activate(gate, up, alpha, limit, ACTIVATION)
         out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :]
         tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -240,6 +317,84 @@ def _combine_kernel(rows_ptr, ids_ptr, out_ptr, hidden, expert_offset, num_exper
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _pair_gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, expert_offset, num_experts, N, K, stride_xm,
+                         stride_we, stride_wn, stride_be, stride_om, alpha, limit, TOP_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         ACTIVATION: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """out[pair, n] = act(gate, up) for n in this program's block, gate = x[token] . w[e, n] (+ bias[e, n]),
+    up = x[token] . w[e, N + n] (+ bias[e, N + n]), e the pair's (local) expert; nothing for another rank's expert.
+    Grid (pairs, row blocks): the pairs of one row block run next to each other. Products summed elementwise in
+    float32."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int32) - expert_offset
+    if (expert >= 0) & (expert < num_experts):
+        token = (pair // TOP_K).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        g_rows = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        u_rows = g_rows + N * stride_wn
+        # x broadcast over the block's rows in the load itself (the repeats hit L1): loaded straight into the
+        # weights' layout, where a [BLOCK_K] vector would be redistributed through shared memory each step.
+        x_rows = x_ptr + token * stride_xm + 0 * cols[:, None]
+        gate_n = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        up_n = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k = (k0 + tl.arange(0, BLOCK_K))[None, :]
+            tile_ok = col_ok[:, None] & (k < K)
+            x = tl.load(x_rows + k, mask=tile_ok, other=0.0).to(tl.float32)
+            g = tl.load(g_rows + k, mask=tile_ok, other=0.0, eviction_policy="evict_first")
+            u = tl.load(u_rows + k, mask=tile_ok, other=0.0, eviction_policy="evict_first")
+            # Reduced each step (a few shuffles): an elementwise accumulator would hold twice the tile in
+            # registers, and fewer programs would fit an SM.
+            gate_n += tl.sum(g.to(tl.float32) * x, axis=1)
+            up_n += tl.sum(u.to(tl.float32) * x, axis=1)
+        if HAS_BIAS:
+            b_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + cols
+            gate_n += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+            up_n += tl.load(b_ptrs + N, mask=col_ok, other=0.0).to(tl.float32)
+        act = _activate(gate_n, up_n, alpha, limit, ACTIVATION)
+        tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, act.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _token_down_kernel(a_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr, out_ptr, expert_offset, num_experts, N, K,
+                       stride_am, stride_we, stride_wn, stride_be, stride_om, TOP_K: tl.constexpr,
+                       TOP_K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """out[t, n] = the sum over slots j, in float32, of weight[t, j] * (a[t * TOP_K + j] . w[e_j, n] (+ bias[e_j,
+    n])), skipping the slots whose expert another rank holds (their rows of a were never written, their loads are
+    masked off): the down projection, the router weight and the combine in one kernel. The token's k experts are
+    read together, one [TOP_K_PAD, BLOCK_N, BLOCK_K] tile a step: the ids are one load and every step's weight
+    loads are issued at once (a loop over the slots would wait on each slot's loads in turn)."""
+    token = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, TOP_K_PAD)
+    pairs = token * TOP_K + slots
+    expert = tl.load(ids_ptr + pairs, mask=slots < TOP_K, other=-1).to(tl.int32) - expert_offset
+    here = (slots < TOP_K) & (expert >= 0) & (expert < num_experts)
+    expert64 = tl.where(here, expert, 0).to(tl.int64)
+    weight = tl.load(weights_ptr + pairs, mask=here, other=0.0).to(tl.float32)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_rows = w_ptr + expert64[:, None, None] * stride_we + cols.to(tl.int64)[None, :, None] * stride_wn
+    # a's rows broadcast over the block's columns in the loads themselves (the repeats hit L1): loaded straight into
+    # the weights' layout, where a [TOP_K_PAD, 1, BLOCK_K] tile would be redistributed through shared memory.
+    a_rows = a_ptr + pairs[:, None, None] * stride_am + 0 * cols[None, :, None]
+    rows_ok = here[:, None, None] & col_ok[None, :, None]
+    y = tl.zeros((TOP_K_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
+        k_ok = k < K
+        a = tl.load(a_rows + k, mask=rows_ok & k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k, mask=rows_ok & k_ok, other=0.0, eviction_policy="evict_first")
+        y += tl.sum(w.to(tl.float32) * a, axis=2)  # each step (as in _pair_gate_up_kernel)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + expert64[:, None] * stride_be + cols[None, :], mask=here[:, None] & col_ok[None, :],
+                     other=0.0).to(tl.float32)
+    total = tl.sum(tl.where(here[:, None], y * weight[:, None], 0.0), axis=0)
+    tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
 QUANT_METHODS = ("fp8_block", "fp8_channel", "mxfp4")
 FP8_BLOCK = 128  # DeepSeek / Qwen3-FP8 blocks: 128 x 128 weight blocks, 1 x 128 activation groups
 
@@ -296,7 +451,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     """x [T, H]; gate_up [E, 2I, H] ([gate | up] rows); down [E, H, I]; topk_weights, topk_ids [T, k]; optional
     biases gate_up_bias [E, 2I], down_bias [E, H]; activation one of reference.EXPERT_ACTIVATIONS; quant: quantized
     weights (MoeQuant says their layouts). Returns [T, H] in x's dtype. Four launches: alignment, gate|up, down,
-    combine (fp8: two more, each GEMM's activation quantization).
+    combine (fp8: two more, each GEMM's activation quantization); two on the pair path (launch.pairs).
 
     This rank holds experts [expert_offset, expert_offset + E) of the ids (global ones under expert parallelism;
     local ones, -1 for another rank's, with the default 0): any other id contributes nothing."""
@@ -316,7 +471,14 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
         raise ValueError(f"activation={activation!r} is not supported; supported: {', '.join(EXPERT_ACTIVATIONS)}")
     if num_tokens == 0:
         return torch.zeros_like(x)
-    launch = launch or launch_policy(num_tokens, top_k, num_experts, hidden, inter)
+    launch = launch or launch_policy(num_tokens, top_k, num_experts, hidden, inter,
+                                     "none" if quant is None else quant.method)
+    if launch.pairs is not None:
+        if quant is not None:
+            raise ValueError(f"launch={launch} takes the pair path, which has no {quant.method} variant")
+        return pair_experts(x, gate_up, down, topk_weights, topk_ids, launch.pairs, expert_offset,
+                            gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
+                            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     sorted_ids, block_expert = align_to_blocks(topk_ids, num_experts, launch.block_m, expert_offset)
     return grouped_experts(x, gate_up, down, topk_weights, topk_ids, sorted_ids, block_expert, launch, expert_offset,
                            gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
@@ -419,4 +581,34 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     _combine_kernel[(num_tokens, triton.cdiv(hidden, launch.combine_block))](
         rows, ids, out, hidden, expert_offset, num_experts, TOP_K=top_k, BLOCK_H=launch.combine_block, num_warps=4)
+    return out
+
+
+def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, launch: PairLaunch, expert_offset: int = 0, *,
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                 activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
+    """fused_moe's pair path (unquantized experts): gate|up with the activation per (pair, row block), then down,
+    router weight and combine per (token, column block). Two launches, no alignment, grids fixed by the shapes."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter = gate_up.shape[0], gate_up.shape[1]
+    inter, top_k = two_inter // 2, topk_ids.shape[1]
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    t = launch.gate_up
+    gate_up_b = gate_up if gate_up_bias is None else gate_up_bias.contiguous()  # unused pointer without a bias
+    _pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, t.block_n))](
+        x, gate_up, gate_up_b, act, ids, expert_offset, num_experts, inter, hidden, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), gate_up_b.stride(0), act.stride(0), float(swiglu_alpha), float(swiglu_limit),
+        TOP_K=top_k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=gate_up_bias is not None, ACTIVATION=activation,
+        NUM_STAGES=t.num_stages, num_warps=t.num_warps)
+    out = torch.empty_like(x)
+    t = launch.down
+    down_b = down if down_bias is None else down_bias.contiguous()
+    _token_down_kernel[(num_tokens, triton.cdiv(hidden, t.block_n))](
+        act, down, down_b, topk_weights.contiguous(), ids, out, expert_offset, num_experts, hidden, inter,
+        act.stride(0), down.stride(0), down.stride(1), down_b.stride(0), out.stride(0), TOP_K=top_k,
+        TOP_K_PAD=triton.next_power_of_2(top_k), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        HAS_BIAS=down_bias is not None, NUM_STAGES=t.num_stages, num_warps=t.num_warps)
     return out

@@ -2,8 +2,10 @@
 one kernel) and the block alignment of the (token, expert) pairs (one launch for a decode step, two beyond).
 
 Both replace chains of small torch ops (topk's sorts, cumsum, searchsorted, scatter, ...) that cost more than the
-expert GEMMs at batch 1. Static shapes, no host sync: a CUDA graph replays any routing. Their definitions are the
-torch code in surge/model/layers/moe.py (select_experts) and surge/kernels/reference.py (align_to_blocks).
+expert GEMMs at batch 1. Decode-sized batches skip the alignment altogether: fused_moe's pair path reads the router's
+ids and weights as they are, so a decode step routes in this one router launch. Static shapes, no host sync: a CUDA
+graph replays any routing. Their definitions are the torch code in surge/model/layers/moe.py (select_experts) and
+surge/kernels/reference.py (align_to_blocks).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ _TILE_ELEMENTS = 8192
 # beyond, the two-launch path's programs, each of which reads every program's counts, so their number is capped
 # and each takes a longer chunk of pairs instead.
 MAX_ONE_PROGRAM_STEPS, MAX_ALIGN_PROGRAMS = 4, 64
+ROUTER_ONE_WARP_ELEMENTS = 256
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class RouterLaunch:
     rows: int  # token rows per program
     experts_pad: int  # the experts' power-of-two lane count
     top_k_pad: int
+    num_warps: int = 4
 
 
 def router_launch(num_tokens: int, num_experts: int, top_k: int) -> RouterLaunch:
@@ -39,16 +43,22 @@ def router_launch(num_tokens: int, num_experts: int, top_k: int) -> RouterLaunch
         raise ValueError(f"top_k={top_k} must be <= num_experts={num_experts}")
     experts_pad = triton.next_power_of_2(num_experts)
     rows = 1 if num_tokens <= 16 else min(triton.next_power_of_2(num_tokens), max(1, 2048 // experts_pad))
-    return RouterLaunch(rows, experts_pad, triton.next_power_of_2(top_k))
+    # A tile of up to ROUTER_ONE_WARP_ELEMENTS (a decode row of 128 or 256 experts) in one warp: its reductions
+    # over the experts (three per chosen expert) are then register shuffles, without the shared-memory round trips
+    # and barriers that four warps need for each.
+    num_warps = 1 if rows * experts_pad <= ROUTER_ONE_WARP_ELEMENTS else 4
+    return RouterLaunch(rows, experts_pad, triton.next_power_of_2(top_k), num_warps)
 
 
 @triton.jit
 def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_lt,
                    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-                   TOP_K_PAD: tl.constexpr, SOFTMAX_AFTER_TOPK: tl.constexpr = False):
+                   TOP_K_PAD: tl.constexpr, SOFTMAX_AFTER_TOPK: tl.constexpr = False,
+                   UNIFORM_WEIGHTS: tl.constexpr = False):
     """Per row: probs = softmax(logits) in float32; the TOP_K largest logits (the softmax keeps their order; ties go
     to the lowest expert id, NaN ranks last); their probs, divided by their sum when RENORMALIZE. SOFTMAX_AFTER_TOPK
-    (gpt-oss): the softmax of the TOP_K logits alone, exp(logit - max) over its sum, as torch.softmax rounds it."""
+    (gpt-oss): the softmax of the TOP_K logits alone, exp(logit - max) over its sum, as torch.softmax rounds it.
+    UNIFORM_WEIGHTS (the routing simulation, on random scores): every weight 1 / TOP_K."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_tokens
     experts = tl.arange(0, EXPERTS_PAD)
@@ -75,7 +85,9 @@ def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, st
         top_ids = tl.where(slots[None, :] == slot, pick[:, None], top_ids)
         top_probs = tl.where(slots[None, :] == slot, tl.sum(tl.where(chosen, probs, 0.0), axis=1)[:, None],
                              top_probs)
-    if RENORMALIZE or SOFTMAX_AFTER_TOPK:
+    if UNIFORM_WEIGHTS:
+        top_probs = tl.full((ROWS, TOP_K_PAD), 1.0 / TOP_K, dtype=tl.float32)
+    elif RENORMALIZE or SOFTMAX_AFTER_TOPK:
         top_probs = top_probs / tl.where(row_ok, tl.sum(top_probs, axis=1), 1.0)[:, None]
     out = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
     ok = row_ok[:, None] & (slots[None, :] < TOP_K)
@@ -83,11 +95,12 @@ def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, st
     tl.store(ids_ptr + out, top_ids, mask=ok)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-          dtype: torch.dtype, softmax_after_topk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype,
+          softmax_after_topk: bool = False, uniform_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in dtype, expert ids [T, k] int32, in descending order of weight): select_experts in one
     launch. The experts are torch.topk's on the float32 softmax, ranked on the logits (the softmax keeps their order;
-    where exp rounds two different logits to one probability, the larger logit wins), equal logits to the lowest id."""
+    where exp rounds two different logits to one probability, the larger logit wins), equal logits to the lowest id.
+    uniform_weights: weights 1 / k (the routing simulation's, on random scores; renormalize is then moot)."""
     num_tokens, num_experts = router_logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=dtype, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
@@ -99,7 +112,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     _router_kernel[(triton.cdiv(num_tokens, launch.rows),)](
         router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, ROWS=launch.rows, EXPERTS_PAD=launch.experts_pad,
-        TOP_K_PAD=launch.top_k_pad, SOFTMAX_AFTER_TOPK=softmax_after_topk, num_warps=4)
+        TOP_K_PAD=launch.top_k_pad, SOFTMAX_AFTER_TOPK=softmax_after_topk, UNIFORM_WEIGHTS=uniform_weights,
+        num_warps=launch.num_warps)
     return weights, ids
 
 

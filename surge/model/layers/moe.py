@@ -261,9 +261,10 @@ def uniform_random_routing(router_logits: torch.Tensor, top_k: int,
     equal weights. Random-weight models route every greedy sequence alike; this spreads a batch over the experts as
     real traffic does (vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random, for side-by-side runs)."""
     scores = torch.rand(router_logits.shape, device=router_logits.device)
+    if router_logits.is_cuda:  # the router kernel on the scores: one launch, not topk's two sorts, a cast and a fill
+        from surge.kernels.moe_routing import route
+        return route(scores, top_k, False, dtype, uniform_weights=True)
     ids = scores.topk(top_k, dim=-1).indices
-    if router_logits.is_cuda:
-        ids = ids.to(torch.int32)  # as the router kernel gives them
     return torch.full(ids.shape, 1.0 / top_k, dtype=dtype, device=ids.device), ids
 
 
