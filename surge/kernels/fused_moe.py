@@ -245,15 +245,15 @@ def _combine_kernel(rows_ptr, ids_ptr, out_ptr, hidden, expert_offset, num_exper
 
 QUANT_METHODS = ("fp8_block", "fp8_channel", "mxfp4")
 FP8_BLOCK = 128  # DeepSeek / Qwen3-FP8 blocks: 128 x 128 weight blocks, 1 x 128 activation groups
-MIN_TILE_K = 16  # tl.dot's smallest K
+FP8_MIN_TILE_K = 32  # tl.dot's smallest K for fp8 operands (sm_90 compiles no fp8 dot over 16)
 
 
 def fp8_block_fits(block: tuple[int, int]) -> bool:
     """Whether the fp8_block variant takes weight blocks (rows bn, columns bk): any bn (a scale row per column of
-    the output tile); bk a power of two >= 16, so that a K tile (a power of two, at most bk) lies in one block and
-    the activations' 1 x bk groups are per_token_group_quant_fp8's."""
+    the output tile); bk a power of two >= 32, so that a K tile (a power of two from 32 to bk) lies in one block
+    and the activations' 1 x bk groups are per_token_group_quant_fp8's."""
     bn, bk = block
-    return bn >= 1 and bk >= MIN_TILE_K and bk & (bk - 1) == 0
+    return bn >= 1 and bk >= FP8_MIN_TILE_K and bk & (bk - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -285,7 +285,7 @@ class MoeQuant:
                              f"{', '.join(QUANT_METHODS)}")
         if self.method == "fp8_block" and not fp8_block_fits(self.block):
             raise ValueError(f"fp8_block block={self.block}: the kernels take blocks (bn, bk) with bk a power of two "
-                             f">= {MIN_TILE_K}")
+                             f">= {FP8_MIN_TILE_K}")
 
 
 def deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
@@ -376,6 +376,11 @@ def _check_scales(quant: MoeQuant, gate_up: torch.Tensor, down: torch.Tensor, hi
             raise ValueError(f"{quant.method} {name} of shape {shape}, expected {shapes}")
 
 
+def _fp8_tiles(tiles: GemmTiles, widest: int | None) -> GemmTiles:
+    block_k = max(tiles.block_k, FP8_MIN_TILE_K)
+    return replace(tiles, block_k=block_k if widest is None else min(block_k, widest))
+
+
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, launch: MoeLaunch,
                     expert_offset: int = 0, *, gate_up_bias: torch.Tensor | None = None,
@@ -392,10 +397,10 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         _check_scales(quant, gate_up, down, hidden, inter)
     if method == "mxfp4" and x.dtype != torch.bfloat16:
         raise ValueError(f"mxfp4 experts take bf16 activations, got {x.dtype}")
-    if method == "fp8_block":  # each K tile within one weight block and activation group: at most bk wide
-        bk = quant.block[1]
-        launch = replace(launch, gate_up=replace(launch.gate_up, block_k=min(launch.gate_up.block_k, bk)),
-                         down=replace(launch.down, block_k=min(launch.down.block_k, bk)))
+    if method in ("fp8_block", "fp8_channel"):  # fp8 dots at least 32 deep; fp8_block's K tiles within one weight
+        # block and activation group: at most bk wide (both powers of two)
+        widest = quant.block[1] if method == "fp8_block" else None
+        launch = replace(launch, gate_up=_fp8_tiles(launch.gate_up, widest), down=_fp8_tiles(launch.down, widest))
     if method == "mxfp4" and (hidden % 32 or inter % 32 or min(launch.gate_up.block_k, launch.down.block_k) < 32):
         raise ValueError(f"mxfp4 needs hidden ({hidden}) and intermediate ({inter}) sizes and K tiles that are "
                          f"multiples of 32, got {launch}")

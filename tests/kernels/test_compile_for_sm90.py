@@ -99,29 +99,32 @@ def test_deepseek_v4_kernels_compile_for_sm90():
 
 def test_fused_moe_quantized_variants_compile_for_sm90():
     """The fused MoE's variants: unquantized (bf16, and float32 as the dequantized experts run), fp8 in 128 x 128,
-    32 x 32 and 48 x 32 blocks (K tiles narrowed to the block), fp8 per channel, and mxfp4."""
+    32 x 32 and 48 x 32 blocks (K tiles narrowed to the block), fp8 per channel, and mxfp4; the fp8 ones also from a
+    launch of 16-deep K tiles, which they widen to the 32 an fp8 dot needs."""
     compiled = _compile_in_subprocess("""
-        from surge.kernels.fused_moe import MoeQuant, fused_moe
+        from surge.kernels.fused_moe import GemmTiles, MoeLaunch, MoeQuant, fused_moe
 
         fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
         e, t, k, h, i = 4, 5, 2, 256, 128
         weights, ids = torch.rand(t, k), torch.randint(0, e, (t, k))
 
-        def run(x, gate_up, down, quant=None):
-            fused_moe(x, gate_up, down, weights.to(x.dtype), ids, quant=quant)
+        def run(x, gate_up, down, quant=None, launch=None):
+            fused_moe(x, gate_up, down, weights.to(x.dtype), ids, launch=launch, quant=quant)
 
         for dtype in (bf16, torch.float32):
             dense = torch.randn(e, 2 * i, h, dtype=dtype), torch.randn(e, h, i, dtype=dtype)
             run(torch.randn(t, h, dtype=dtype), *dense)
         gate_up, down = torch.zeros(e, 2 * i, h, dtype=fp8), torch.zeros(e, h, i, dtype=fp8)
+        narrow = MoeLaunch(16, GemmTiles(32, 16, 4, 2), GemmTiles(32, 16, 4, 2))  # fp8 dots take K >= 32: widened
         for bn, bk in ((128, 128), (32, 32), (48, 32)):
             scales = (torch.ones(e, 2 * -(-i // bn), -(-h // bk)), torch.ones(e, -(-h // bn), -(-i // bk)))
             run(torch.randn(t, h, dtype=bf16), gate_up, down, MoeQuant("fp8_block", *scales, block=(bn, bk)))
+        run(torch.randn(t, h, dtype=bf16), gate_up, down, MoeQuant("fp8_block", *scales, block=(bn, bk)), narrow)
         run(torch.randn(t, h, dtype=bf16), gate_up, down,
-            MoeQuant("fp8_channel", torch.ones(e, 2 * i), torch.ones(e, h)))
+            MoeQuant("fp8_channel", torch.ones(e, 2 * i), torch.ones(e, h)), narrow)
         u8 = torch.uint8
         blocks = (torch.zeros(e, 2 * i, h // 32, 16, dtype=u8), torch.zeros(e, h, i // 32, 16, dtype=u8))
         scales = (torch.zeros(e, 2 * i, h // 32, dtype=u8), torch.zeros(e, h, i // 32, dtype=u8))
         run(torch.randn(t, h, dtype=bf16), *blocks, MoeQuant("mxfp4", *scales))
         """)
-    assert compiled.count("_gate_up_act_kernel") == 7 and compiled.count("_down_weighted_kernel") == 7
+    assert compiled.count("_gate_up_act_kernel") == 8 and compiled.count("_down_weighted_kernel") == 8

@@ -7,7 +7,7 @@ Storage, this rank's experts: gate_up_proj float8_e4m3fn [E, 2I, H] ([gate | up]
 scales named as the checkpoint's (`gate_up_proj_weight_scale_inv` for HF's `weight_scale_inv`): blocks
 [E, 2 * I / bn, H / bk] (gate's block rows, then up's) and [E, H / bn, I / bk], per channel [E, 2I, 1] and [E, H, 1].
 CUDA: the fused MoE kernels' fp8 variants (MoeQuant "fp8_block" | "fp8_channel"; blocks of any row count and a
-power-of-two column count >= 16, 128x128 in the checkpoints). Elsewhere the
+power-of-two column count >= 32, 128x128 in the checkpoints). Elsewhere the
 weights are dequantized once and the activations' quantization simulated (quantize, dequantize) around each GEMM.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Fp8MoEMethod(MoEMethod):
             from surge.kernels.fused_moe import fp8_block_fits
             if device is not None and torch.device(device).type == "cuda" and not fp8_block_fits((bn, bk)):
                 raise ValueError(f"fp8 {bn}x{bk} block experts: the fused MoE kernels take blocks whose column "
-                                 f"count is a power of two >= 16")
+                                 f"count is a power of two >= 32")
             if i % bn:
                 raise ValueError(f"fp8 {bn}x{bk} block experts: this rank's intermediate size {i} is not a multiple "
                                  f"of the block's {bn} rows (gate's blocks and up's are stacked)")
