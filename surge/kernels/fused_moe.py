@@ -7,8 +7,9 @@ Every shape is static (the padded pair count is its upper bound, blocks past the
 CUDA graph replays any routing. Defined by surge/kernels/reference.py's fused_moe; ids of -1 (experts another rank
 holds) contribute nothing. The alignment is surge/kernels/moe_routing.py's.
 
-Quantized experts are the same two kernels compiled for another QUANT (MoeQuant): fp8 weights with 128 x 128 block
-scales and 1 x 128 dynamic activation groups (the scales applied per K tile), fp8 with per-channel (or per-tensor)
+Quantized experts are the same two kernels compiled for another QUANT (MoeQuant): fp8 weights with bn x bk block
+scales (128 x 128 in the checkpoints; any bn, bk a power of two: the K tile narrows to bk) and 1 x bk dynamic
+activation groups (the scales applied per K tile), fp8 with per-channel (or per-tensor)
 weight scales and per-token (or static) activation scales (applied once after the K loop), or MXFP4 weights decoded
 to bf16 in registers (a 16-entry e2m1 table, the e8m0 scale a power of two). The reference is the same loop on the
 dequantized weights, activations quantized and dequantized alike (quant_reference).
@@ -29,7 +30,7 @@ confirmed on the H200 by `bench kernels --only moe` (and tuned by `--only moe-sw
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -192,12 +193,14 @@ def _gate_up_act_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_pt
                         stride_wsn, up_scale_row, stride_be, stride_om, alpha, limit,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-                        QUANT: tl.constexpr, QUANT_BLOCK: tl.constexpr, E2M1_TABLE: tl.constexpr):
+                        QUANT: tl.constexpr, QUANT_BLOCK_N: tl.constexpr, QUANT_BLOCK_K: tl.constexpr,
+                        E2M1_TABLE: tl.constexpr):
     """out[pair, n] = act(gate, up) with gate = x[token] . w[e, n] (+ bias[e, n]), up = x[token] . w[e, N + n]
     (+ bias[e, N + n]) for this block's pairs of expert e; act as reference.expert_activation. QUANT: "none";
-    "fp8_block" (x fp8 with scales [T, K / QUANT_BLOCK], w fp8 with [E, rows / QUANT_BLOCK, K / QUANT_BLOCK], up's
-    block rows from up_scale_row, applied per K tile); "fp8_channel" (x fp8 with [T] scales, w with [E, 2N] scales,
-    applied once); "mxfp4" (w decoded in _weight_tile)."""
+    "fp8_block" (x fp8 with scales [T, K / QUANT_BLOCK_K], w fp8 with [E, rows / QUANT_BLOCK_N, K / QUANT_BLOCK_K],
+    up's block rows from up_scale_row, applied per K tile: BLOCK_K divides QUANT_BLOCK_K, so a tile is in one
+    block); "fp8_channel" (x fp8 with [T] scales, w with [E, 2N] scales, applied once); "mxfp4" (w decoded in
+    _weight_tile)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -214,7 +217,7 @@ def _gate_up_act_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_pt
         g_rows = w_ptr + expert * stride_we + cols64 * stride_wn
         u_rows = g_rows + N * stride_wn
         if QUANT == "fp8_block":
-            g_scale_rows = w_scale_ptr + expert * stride_wse + (cols64 // QUANT_BLOCK) * stride_wsn
+            g_scale_rows = w_scale_ptr + expert * stride_wse + (cols64 // QUANT_BLOCK_N) * stride_wsn
             u_scale_rows = g_scale_rows + up_scale_row * stride_wsn
         else:  # one scale row per weight row (mxfp4, fp8_channel: [E, 2N]); unused without quantization
             g_scale_rows = w_scale_ptr + expert * stride_wse + cols64 * stride_wsn
@@ -228,10 +231,10 @@ def _gate_up_act_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_pt
             g = _weight_tile(g_rows, g_scale_rows, k0, K, col_ok, BLOCK_K, QUANT, E2M1_TABLE)
             u = _weight_tile(u_rows, u_scale_rows, k0, K, col_ok, BLOCK_K, QUANT, E2M1_TABLE)
             if QUANT == "fp8_block":
-                a_scale = tl.load(x_scale_ptr + token * stride_xsm + (k0 // QUANT_BLOCK) * stride_xsk, mask=row_ok,
+                a_scale = tl.load(x_scale_ptr + token * stride_xsm + (k0 // QUANT_BLOCK_K) * stride_xsk, mask=row_ok,
                                   other=0.0)
-                g_scale = tl.load(g_scale_rows + k0 // QUANT_BLOCK, mask=col_ok, other=0.0)
-                u_scale = tl.load(u_scale_rows + k0 // QUANT_BLOCK, mask=col_ok, other=0.0)
+                g_scale = tl.load(g_scale_rows + k0 // QUANT_BLOCK_K, mask=col_ok, other=0.0)
+                u_scale = tl.load(u_scale_rows + k0 // QUANT_BLOCK_K, mask=col_ok, other=0.0)
                 gate += tl.dot(a, g) * (a_scale[:, None] * g_scale[None, :])
                 up += tl.dot(a, u) * (a_scale[:, None] * u_scale[None, :])
             else:
@@ -256,7 +259,7 @@ def _down_weighted_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_
                           stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr,
-                          QUANT_BLOCK: tl.constexpr, E2M1_TABLE: tl.constexpr):
+                          QUANT_BLOCK_N: tl.constexpr, QUANT_BLOCK_K: tl.constexpr, E2M1_TABLE: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[pair] . w[e, n] (+ bias[e, n])) for this block's pairs of expert e; QUANT as
     in _gate_up_act_kernel, the activation scales per pair."""
     pid = tl.program_id(0)
@@ -274,7 +277,7 @@ def _down_weighted_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_
         a_rows = a_ptr + pair64 * stride_am
         w_rows = w_ptr + expert * stride_we + cols64 * stride_wn
         if QUANT == "fp8_block":
-            scale_rows = w_scale_ptr + expert * stride_wse + (cols64 // QUANT_BLOCK) * stride_wsn
+            scale_rows = w_scale_ptr + expert * stride_wse + (cols64 // QUANT_BLOCK_N) * stride_wsn
         else:
             scale_rows = w_scale_ptr + expert * stride_wse + cols64 * stride_wsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -284,9 +287,9 @@ def _down_weighted_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_
             a = tl.load(a_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = _weight_tile(w_rows, scale_rows, k0, K, col_ok, BLOCK_K, QUANT, E2M1_TABLE)
             if QUANT == "fp8_block":
-                a_scale = tl.load(a_scale_ptr + pair64 * stride_asm + (k0 // QUANT_BLOCK) * stride_ask, mask=row_ok,
+                a_scale = tl.load(a_scale_ptr + pair64 * stride_asm + (k0 // QUANT_BLOCK_K) * stride_ask, mask=row_ok,
                                   other=0.0)
-                w_scale = tl.load(scale_rows + k0 // QUANT_BLOCK, mask=col_ok, other=0.0)
+                w_scale = tl.load(scale_rows + k0 // QUANT_BLOCK_K, mask=col_ok, other=0.0)
                 acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
             else:
                 acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
@@ -397,15 +400,26 @@ def _token_down_kernel(a_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr, out_ptr, ex
 
 QUANT_METHODS = ("fp8_block", "fp8_channel", "mxfp4")
 FP8_BLOCK = 128  # DeepSeek / Qwen3-FP8 blocks: 128 x 128 weight blocks, 1 x 128 activation groups
+FP8_MIN_TILE_K = 32  # tl.dot's smallest K for fp8 operands (sm_90 compiles no fp8 dot over 16)
+
+
+def fp8_block_fits(block: tuple[int, int]) -> bool:
+    """Whether the fp8_block variant takes weight blocks (rows bn, columns bk): any bn (a scale row per column of
+    the output tile); bk a power of two >= 32, so that a K tile (a power of two from 32 to bk) lies in one block
+    and the activations' 1 x bk groups are per_token_group_quant_fp8's."""
+    bn, bk = block
+    return bn >= 1 and bk >= FP8_MIN_TILE_K and bk & (bk - 1) == 0
 
 
 @dataclass(frozen=True)
 class MoeQuant:
     """Quantized experts: the kernels' compile-time variant and its scales. gate_up and down then hold:
 
-    - fp8_block: float8_e4m3fn [E, 2I, H] and [E, H, I]; gate_up_scale float32 [E, 2 * ceil(I / 128), ceil(H / 128)]
-      (gate's block rows, then up's: a checkpoint's two weight_scale_inv stacked), down_scale [E, ceil(H / 128),
-      ceil(I / 128)]. Activations quantized dynamically per token and 128 columns (per_token_group_quant_fp8).
+    - fp8_block: float8_e4m3fn [E, 2I, H] and [E, H, I] in blocks of `block` = (bn, bk) (128 x 128 in DeepSeek's and
+      Qwen3's checkpoints; fp8_block_fits says which the kernels take); gate_up_scale float32
+      [E, 2 * ceil(I / bn), ceil(H / bk)] (gate's block rows, then up's: a checkpoint's two weight_scale_inv
+      stacked), down_scale [E, ceil(H / bn), ceil(I / bk)]. Activations quantized dynamically per token and
+      bk columns (per_token_group_quant_fp8).
     - fp8_channel: float8_e4m3fn weights; gate_up_scale float32 [E, 2I] and down_scale [E, H] per output row, or
       [E, 1] (per tensor, broadcast). Activations per token, dynamically, or with a static per-tensor scale
       (gate_up_input_scale, down_input_scale: one float32 value each; a checkpoint's per-expert input_scale's max).
@@ -418,11 +432,15 @@ class MoeQuant:
     down_scale: torch.Tensor
     gate_up_input_scale: torch.Tensor | None = None
     down_input_scale: torch.Tensor | None = None
+    block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)  # fp8_block's weight blocks (rows, columns)
 
     def __post_init__(self):
         if self.method not in QUANT_METHODS:
             raise ValueError(f"MoE quantization {self.method!r} is not supported; supported: "
                              f"{', '.join(QUANT_METHODS)}")
+        if self.method == "fp8_block" and not fp8_block_fits(self.block):
+            raise ValueError(f"fp8_block block={self.block}: the kernels take blocks (bn, bk) with bk a power of two "
+                             f">= {FP8_MIN_TILE_K}")
 
 
 def deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
@@ -485,14 +503,15 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
                            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, quant=quant)
 
 
-def _quantize_rows(a: torch.Tensor, method: str, static_scale: torch.Tensor | None
+def _quantize_rows(a: torch.Tensor, method: str, static_scale: torch.Tensor | None, group: int
                    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """A GEMM's fp8 input: (q, scales, the scales' row stride, their K-group stride)."""
+    """A GEMM's fp8 input: (q, scales, the scales' row stride, their K-group stride); fp8_block: groups of `group`
+    columns."""
     from surge.kernels.fp8_quant import (per_token_group_quant_fp8, scaled_fp8_quant_per_tensor,
                                          scaled_fp8_quant_per_token)
 
     if method == "fp8_block":
-        q, scale = per_token_group_quant_fp8(a, FP8_BLOCK)
+        q, scale = per_token_group_quant_fp8(a, group)
         return q, scale, scale.stride(0), scale.stride(1)
     if static_scale is not None:
         q, scale = scaled_fp8_quant_per_tensor(a, static_scale)
@@ -504,9 +523,9 @@ def _quantize_rows(a: torch.Tensor, method: str, static_scale: torch.Tensor | No
 def _check_scales(quant: MoeQuant, gate_up: torch.Tensor, down: torch.Tensor, hidden: int, inter: int) -> None:
     num_experts = gate_up.shape[0]
     if quant.method == "fp8_block":
-        blocks = triton.cdiv(inter, FP8_BLOCK), triton.cdiv(hidden, FP8_BLOCK)
-        want = {"gate_up_scale": (num_experts, 2 * blocks[0], blocks[1]),
-                "down_scale": (num_experts, blocks[1], blocks[0])}
+        bn, bk = quant.block
+        want = {"gate_up_scale": (num_experts, 2 * triton.cdiv(inter, bn), triton.cdiv(hidden, bk)),
+                "down_scale": (num_experts, triton.cdiv(hidden, bn), triton.cdiv(inter, bk))}
     elif quant.method == "mxfp4":
         want = {"gate_up_scale": (num_experts, 2 * inter, hidden // 32),
                 "down_scale": (num_experts, hidden, inter // 32)}
@@ -517,6 +536,11 @@ def _check_scales(quant: MoeQuant, gate_up: torch.Tensor, down: torch.Tensor, hi
         shape = tuple(getattr(quant, name).shape)
         if shape not in (shapes if isinstance(shapes, list) else [shapes]):
             raise ValueError(f"{quant.method} {name} of shape {shape}, expected {shapes}")
+
+
+def _fp8_tiles(tiles: GemmTiles, widest: int | None) -> GemmTiles:
+    block_k = max(tiles.block_k, FP8_MIN_TILE_K)
+    return replace(tiles, block_k=block_k if widest is None else min(block_k, widest))
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
@@ -535,8 +559,10 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         _check_scales(quant, gate_up, down, hidden, inter)
     if method == "mxfp4" and x.dtype != torch.bfloat16:
         raise ValueError(f"mxfp4 experts take bf16 activations, got {x.dtype}")
-    if method == "fp8_block" and (launch.gate_up.block_k > FP8_BLOCK or launch.down.block_k > FP8_BLOCK):
-        raise ValueError(f"fp8_block needs K tiles within a {FP8_BLOCK}-column block, got {launch}")
+    if method in ("fp8_block", "fp8_channel"):  # fp8 dots at least 32 deep; fp8_block's K tiles within one weight
+        # block and activation group: at most bk wide (both powers of two)
+        widest = quant.block[1] if method == "fp8_block" else None
+        launch = replace(launch, gate_up=_fp8_tiles(launch.gate_up, widest), down=_fp8_tiles(launch.down, widest))
     if method == "mxfp4" and (hidden % 32 or inter % 32 or min(launch.gate_up.block_k, launch.down.block_k) < 32):
         raise ValueError(f"mxfp4 needs hidden ({hidden}) and intermediate ({inter}) sizes and K tiles that are "
                          f"multiples of 32, got {launch}")
@@ -549,8 +575,10 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     down_scale = down if quant is None else quant.down_scale.contiguous()
     a, a_scale, stride_asm, stride_ask = x, x, 0, 0
     if method in ("fp8_block", "fp8_channel"):
-        a, a_scale, stride_asm, stride_ask = _quantize_rows(x, method, quant.gate_up_input_scale)
-    constants = dict(QUANT=method, QUANT_BLOCK=FP8_BLOCK, E2M1_TABLE=E2M1_QUARTERS, DOT_PRECISION=precision)
+        a, a_scale, stride_asm, stride_ask = _quantize_rows(x, method, quant.gate_up_input_scale, quant.block[1])
+    block_n, block_k = quant.block if quant is not None else (FP8_BLOCK, FP8_BLOCK)
+    constants = dict(QUANT=method, QUANT_BLOCK_N=block_n, QUANT_BLOCK_K=block_k, E2M1_TABLE=E2M1_QUARTERS,
+                     DOT_PRECISION=precision)
 
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     t = launch.gate_up
@@ -566,7 +594,7 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
 
     a, a_scale, stride_asm, stride_ask = act, act, 0, 0
     if method in ("fp8_block", "fp8_channel"):
-        a, a_scale, stride_asm, stride_ask = _quantize_rows(act, method, quant.down_input_scale)
+        a, a_scale, stride_asm, stride_ask = _quantize_rows(act, method, quant.down_input_scale, quant.block[1])
     rows = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # the rows of pairs held here
     t = launch.down
     down_b = down if down_bias is None else down_bias.contiguous()

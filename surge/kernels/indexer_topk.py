@@ -97,12 +97,14 @@ def _select(key, need, RADIX_BITS: tl.constexpr):
     # largest u with count(key >= _KEY_MIN + u) >= need. Candidates are compared as int32 (_KEY_MIN + u fits).
     digits = tl.arange(0, 1 << RADIX_BITS).to(tl.int64)
     prefix = need.to(tl.int64) * 0
+    # The digit's shift is written out at each use: the compiler unrolls static_range by visiting the body once per
+    # step, and an annotated constexpr (`shift: tl.constexpr = ...`) would be "reassigned" at the second visit (a
+    # CompilationError the interpreter never raises), while a plain `shift = ...` would turn it into a tensor.
     for step in tl.static_range(32 // RADIX_BITS):
-        shift: tl.constexpr = 32 - RADIX_BITS * (step + 1)
-        candidate = (prefix + (digits << shift) + _KEY_MIN).to(tl.int32)
+        candidate = (prefix + (digits << (32 - RADIX_BITS * (step + 1))) + _KEY_MIN).to(tl.int32)
         counts = tl.sum((key[None, :] >= candidate[:, None]).to(tl.int32), axis=1)
         digit = tl.sum((counts >= need).to(tl.int64), axis=0) - 1  # counts fall with the digit; digit 0 always holds
-        prefix += digit << shift
+        prefix += digit << (32 - RADIX_BITS * (step + 1))
     threshold = (prefix + _KEY_MIN).to(tl.int32)
     above = key > threshold
     tied = key == threshold

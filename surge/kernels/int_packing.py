@@ -91,11 +91,13 @@ def gptq_to_canonical(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch
 
 def repack_gptq_qweight(qweight: torch.Tensor, bits: int, perm: torch.Tensor | None) -> torch.Tensor:
     """GPTQ qweight int32 [K * bits / 32, N] -> the canonical weight_packed [N, K * bits / 32]: packed along K as it
-    is (a transposed view), or, with act-order's perm, its columns in perm's order."""
+    is (a transposed view), or, with act-order's perm, its columns in perm's order. perm may live elsewhere than
+    qweight (the layer's g_idx is on the GPU, the checkpoint's tensor arrives on the CPU): the result is on qweight's
+    device."""
     if perm is None:
         return qweight.t()
     values = unpack_int32(qweight.t(), bits, qweight.shape[0] * (32 // bits))
-    return pack_int32(values[:, perm.long()], bits)
+    return pack_int32(values[:, perm.to(values.device, torch.long)], bits)
 
 
 def unpack_gptq_zeros(qzeros: torch.Tensor, bits: int, out_features: int, v1_zeros: bool = True) -> torch.Tensor:

@@ -131,16 +131,34 @@ def test_launch_policies():
 NORMS = [(100, None), (200, 64), (256, 128)]
 
 
+def _x_exact_squares(m, k, dtype, device, seed):
+    """Rows whose sum of squares float32 adds exactly in any order, spread as _x's: integers in [-16, 16] / 8 times
+    a power of two per row (2^-6 .. 2^6) and per third of the columns (2^-1, 1, 2). The sum of two such tensors
+    (x + residual) is one with integers in [-32, 32]: every partial sum of squares is a multiple of one power of two
+    below 2^22 times it, within float32's 24 bits."""
+    g = torch.Generator().manual_seed(seed)
+    ints = torch.randint(-16, 17, (m, k), generator=g).float()
+    rows = 2.0 ** torch.linspace(-6, 6, m).round()
+    cols = 2.0 ** (torch.arange(k) * 3 // k - 1).float()
+    return (ints / 8 * rows[:, None] * cols[None, :]).to(device=device, dtype=dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden,group", NORMS, ids=[f"H{h}-g{g}" for h, g in NORMS])
 def test_rms_norm_fp8_equals_norm_then_quant(hidden, group, dtype, device):
     """The fused norm + quantization is bit for bit the norm kernel followed by the quantization kernel (each tested
-    against torch on its own); with the residual add too (its sum as fused_add_rms_norm's)."""
+    against torch on its own); with the residual add too (its sum as fused_add_rms_norm's).
+
+    On rows whose sum of squares is exact in any order. The compiler lays the row out after its stores: the fused
+    kernel's fp8 store gives each thread 8 contiguous values, rms_norm's float32 store 4 (Triton 3.7's sm_90 TTGIR;
+    the H200 run under 3.6 differed for float32 at H256-g128), so their row sums add in different orders and rstd
+    may differ in its last bit (either is a correct float32 sum): bit equality holds only where the order cannot
+    matter. Under the interpreter both sum alike, any rows."""
     from surge.kernels.fp8_quant import per_token_group_quant_fp8, scaled_fp8_quant_per_token
     from surge.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_fp8, rms_norm, rms_norm_fp8
 
-    x = _x(5, hidden, dtype, device, seed=hidden)
-    residual = _x(5, hidden, dtype, device, seed=hidden + 1, spread=False)
+    x = _x_exact_squares(5, hidden, dtype, device, seed=hidden)
+    residual = _x_exact_squares(5, hidden, dtype, device, seed=hidden + 1)
     weight = torch.randn(hidden, generator=torch.Generator().manual_seed(3)).to(device, dtype)
 
     def quant(t):

@@ -1,6 +1,6 @@
 """Quantized fused MoE variants against the torch reference of the fused MoE run on the dequantized weights, its
-activations quantized and dequantized as the kernels quantize them: fp8 with 128 x 128 weight blocks and 1 x 128
-dynamic activation groups (partial blocks included), fp8 with per-channel or per-tensor weight scales and per-token or
+activations quantized and dequantized as the kernels quantize them: fp8 with 128 x 128 (and smaller) weight blocks
+and 1 x bk dynamic activation groups (partial blocks included), fp8 with per-channel or per-tensor weight scales and per-token or
 static activation scales, and MXFP4 experts (gpt-oss: biases, clamped SwiGLU) whose dequantization is checked against
 transformers' own."""
 from __future__ import annotations
@@ -21,15 +21,16 @@ def _routing(num_tokens, num_experts, top_k, seed, remote=1):
     return weights, torch.where(ids < num_experts, ids, -1)
 
 
-def _quantize_blocks(w, block=128):
-    """w [E, R, C] -> (fp8, float32 scales [E, ceil(R / block), ceil(C / block)]): block amax / 448, as the
+def _quantize_blocks(w, block=(128, 128)):
+    """w [E, R, C] -> (fp8, float32 scales [E, ceil(R / bn), ceil(C / bk)]): block amax / 448, as the
     checkpoints' weight_scale_inv (and HF's Fp8Quantize) are made."""
     e, r, c = w.shape
-    rb, cb = -(-r // block), -(-c // block)
-    padded = torch.nn.functional.pad(w, (0, cb * block - c, 0, rb * block - r)).view(e, rb, block, cb, block)
+    bn, bk = block
+    rb, cb = -(-r // bn), -(-c // bk)
+    padded = torch.nn.functional.pad(w, (0, cb * bk - c, 0, rb * bn - r)).view(e, rb, bn, cb, bk)
     scale = padded.abs().amax(dim=(2, 4)) / qref.FP8_MAX
     scale = torch.where(scale > 0, scale, 1.0)
-    expanded = scale.repeat_interleave(block, 1).repeat_interleave(block, 2)[:, :r, :c]
+    expanded = scale.repeat_interleave(bn, 1).repeat_interleave(bk, 2)[:, :r, :c]
     return (w / expanded).clamp(-qref.FP8_MAX, qref.FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
@@ -49,10 +50,12 @@ def _launches(shape):
             MoeLaunch(16, GemmTiles(32, 64, 4, 2), GemmTiles(64, 32, 4, 2), combine_block=64)]
 
 
-@pytest.mark.parametrize("inter", [128, 192], ids=["I128", "I192-partial-block"])
-def test_fp8_block_equals_dequantized_reference(inter, device):
+@pytest.mark.parametrize("inter, block", [(128, (128, 128)), (192, (128, 128)), (96, (32, 32)), (96, (48, 32))],
+                         ids=["I128", "I192-partial-block", "I96-block32", "I96-block48x32"])
+def test_fp8_block_equals_dequantized_reference(inter, block, device):
     """gate and up quantized apart (their block rows stacked, as two checkpoint tensors), I = 192 leaves a half
-    block in each and a partial K group in down; H = 256 two K groups in gate|up."""
+    block in each and a partial K group in down; H = 256 two K groups in gate|up. Smaller blocks (a tiny checkpoint's
+    32 x 32, rows and columns apart) narrow the K tiles to the block's columns; 48-row blocks end mid-tile in N."""
     from surge.kernels.fused_moe import MoeQuant, fused_moe
 
     shape = (9, 4, 2, 256, inter)
@@ -62,18 +65,17 @@ def test_fp8_block_equals_dequantized_reference(inter, device):
     gate = torch.randn(num_experts, inter, hidden, generator=g) / hidden ** 0.5
     up = torch.randn(num_experts, inter, hidden, generator=g) / hidden ** 0.5
     down = torch.randn(num_experts, hidden, inter, generator=g) / inter ** 0.5
-    (gate_q, gate_s), (up_q, up_s), (down_q, down_s) = (_quantize_blocks(w) for w in (gate, up, down))
+    (gate_q, gate_s), (up_q, up_s), (down_q, down_s) = (_quantize_blocks(w, block) for w in (gate, up, down))
     gate_up_q, gate_up_s = torch.cat((gate_q, up_q), 1), torch.cat((gate_s, up_s), 1)
-    gate_up_deq = torch.cat((qref.dequantize_fp8(gate_q, gate_s, (128, 128)),
-                             qref.dequantize_fp8(up_q, up_s, (128, 128))), 1)
-    down_deq = qref.dequantize_fp8(down_q, down_s, (128, 128))
+    gate_up_deq = torch.cat((qref.dequantize_fp8(gate_q, gate_s, block), qref.dequantize_fp8(up_q, up_s, block)), 1)
+    down_deq = qref.dequantize_fp8(down_q, down_s, block)
     weights, ids = _routing(num_tokens, num_experts, top_k, seed=inter)
 
-    def act_quant(rows, _):  # the kernel stores the activation in bf16, then quantizes it
-        return qref.fp8_fake_quant(rows.to(BF16), "group")
+    def act_quant(rows, _):  # the kernel stores the activation in bf16, then quantizes it (1 x bk groups)
+        return qref.fp8_fake_quant(rows.to(BF16), "group", None, block[1])
 
     expected = reference(x.float(), gate_up_deq, down_deq, weights, ids, activation_quant=act_quant)
-    quant = MoeQuant("fp8_block", gate_up_s.to(device), down_s.to(device))
+    quant = MoeQuant("fp8_block", gate_up_s.to(device), down_s.to(device), block=block)
     for launch in _launches(shape):
         got = fused_moe(x.to(device), gate_up_q.to(device), down_q.to(device), weights.to(BF16).to(device),
                         ids.to(device), launch=launch, quant=quant)
@@ -185,3 +187,37 @@ def test_quantized_arguments_are_checked(device):
         fused_moe(x, gate_up, down, weights.to(device), ids.to(device), quant=bad)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fused_moe(x, gate_up.to(BF16), down.to(BF16), weights.to(device), ids.to(device), quant=bad)
+
+
+@pytest.mark.parametrize("method", ["fp8-block32", "mxfp4"])
+def test_moe_methods_kernel_path_equals_cpu_path_in_float32(method, device):
+    """The MoE methods' CUDA path (apply_kernels; without CUDA on CPU tensors, the kernels interpreted) in float32,
+    as the parity tests run on the H200, against their CPU path on the same layer: fp8 experts in a tiny
+    checkpoint's 32 x 32 blocks take the kernels' fp8_block variant (K tiles narrowed to 32); mxfp4 experts, whose
+    variant takes bf16 only, the unquantized kernels on the dequantized experts."""
+    from surge.model.layers.linear import deferred_weights
+    from surge.model.layers.moe import FusedMoE
+    from surge.model.quant.fp8_moe import Fp8MoEMethod
+    from surge.model.quant.mxfp4 import Mxfp4MoEMethod
+
+    num_tokens, num_experts, top_k, hidden, inter = 7, 4, 2, 64, 64
+    if method == "mxfp4":
+        moe = Mxfp4MoEMethod()
+    else:
+        moe = Fp8MoEMethod(weights="block", block=(32, 32), scale_name="weight_scale_inv")
+    with deferred_weights():
+        layer = FusedMoE(num_experts, hidden, inter)
+    layer.set_method(moe, torch.device("cpu"))
+    moe.init_dummy(layer, torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(num_tokens, hidden, generator=g)
+    weights, ids = _routing(num_tokens, num_experts, top_k, seed=2, remote=0)
+    want = moe.apply(layer, x, weights, ids)  # the CPU path: the reference loop on the dequantized experts
+    scale = want.abs().max().item()  # small: the dummy experts are normal(0, 0.02)
+    assert scale > 0
+    layer.to(device)
+    got = moe.apply_kernels(layer, x.to(device), weights.to(device), ids.to(device)).cpu()
+    assert got.dtype == torch.float32
+    # float32 sums in another order; fp8: the activations quantized alike on both paths (a code flips only where
+    # such a sum crosses a rounding boundary: none at this size, measured)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)

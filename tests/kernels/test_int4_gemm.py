@@ -224,10 +224,12 @@ def test_launch_policy_boundaries():
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq-act-order"])
-def test_awq_gptq_layers_feed_the_int_gemm(fmt):
+def test_awq_gptq_layers_feed_the_int_gemm(fmt, device):
     """The AWQ / GPTQ linear methods convert checkpoint tensors as they load into what the kernels read: on a loaded
     layer's parameters (qweight, scales, qzeros, g_idx's permutation) int_gemm and the decode GEMV compute x @ W.T, as
-    the layer's CPU path does. The GPTQ qweight arrives before its g_idx, and waits for it."""
+    the layer's CPU path does. The GPTQ qweight arrives before its g_idx, and waits for it. The layer lives on the
+    kernels' device (CUDA when there is one) and the checkpoint's tensors arrive on the CPU, as the loader reads
+    them: the conversion mixes the two (act-order's permutation, derived from the layer's g_idx)."""
     from surge.kernels.int4_gemm import int_gemm
     from surge.kernels.int_gemv import int_gemv
     from surge.model.layers.linear import Linear, deferred_weights
@@ -249,16 +251,21 @@ def test_awq_gptq_layers_feed_the_int_gemm(fmt):
                    "scales": scale.t().contiguous(), "g_idx": g_idx.int()}
     with deferred_weights():
         layer = Linear(k, n)
-    layer.set_method(method, torch.device("cpu"))
+    layer.set_method(method, device)
     for name, t in tensors.items():
         getattr(layer, name).weight_loader(getattr(layer, name), t)
+    assert all(p.device.type == device.type for p in layer.parameters())
     w = (u.long() - zero.long()[:, g_idx]).float() * scale[:, g_idx]
     x = torch.randn(5, k, generator=g)
-    torch.testing.assert_close(layer(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    want = x @ w.t()
+    # the dequantized path (what the CPU runs), on the layer's own parameters
+    torch.testing.assert_close(method.dense_weight(layer).cpu().float(), w, rtol=0, atol=0)
+    x = x.to(device)
+    torch.testing.assert_close(layer(x).cpu(), want, rtol=1e-5, atol=1e-5)
     got = int_gemm(x, layer.qweight, layer.scales, bits=4, group_size=group, zero_point=layer.qzeros,
                    input_perm=method._input_perm(layer))
-    torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
     for rows in (1, 4):  # the decode GEMV (surge/kernels/int_gemv.py) reads the same parameters
         got = int_gemv(x[:rows], layer.qweight, layer.scales, bits=4, group_size=group, zero_point=layer.qzeros,
                        input_perm=method._input_perm(layer))
-        torch.testing.assert_close(got, x[:rows] @ w.t(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.cpu(), want[:rows], rtol=1e-5, atol=1e-5)

@@ -150,9 +150,10 @@ def test_launch_policy_boundaries():
 
 
 @pytest.mark.parametrize("rows, kernel", [(1, "int_gemv"), (MAX_ROWS, "int_gemv"), (MAX_ROWS + 1, "int_gemm")])
-def test_w4a16_method_takes_the_gemv_for_few_rows(rows, kernel, monkeypatch):
-    """The W4A16 method's CUDA path (called here on CPU tensors: the kernels run in the interpreter): the GEMV up to
-    MAX_ROWS rows, int_gemm's tiles beyond; both give the layer's CPU result."""
+def test_w4a16_method_takes_the_gemv_for_few_rows(rows, kernel, monkeypatch, device):
+    """The W4A16 method's CUDA path (without CUDA called on CPU tensors: the kernels run in the interpreter): the
+    GEMV up to MAX_ROWS rows, int_gemm's tiles beyond; both give the dequantized path's result (the layer's CPU
+    one, on the same parameters)."""
     import surge.kernels.int4_gemm as int4_gemm
     import surge.kernels.int_gemv as int_gemv_module
     from surge.model.layers.linear import Linear, deferred_weights
@@ -163,11 +164,13 @@ def test_w4a16_method_takes_the_gemv_for_few_rows(rows, kernel, monkeypatch):
         layer = Linear(64, 24)
     layer.set_method(method, torch.device("cpu"))
     method.init_dummy(layer, torch.Generator().manual_seed(0))
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1))
+    want = layer(x)  # on the CPU: the dequantized weight's GEMM
+    layer.to(device)
     used = []
     for module, name in ((int4_gemm, "int_gemm"), (int_gemv_module, "int_gemv")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: used.append(_n) or _f(*a, **kw))
-    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1))
-    got = method.cuda_gemm(layer, x, None)
+    got = method.cuda_gemm(layer, x.to(device), None)
     assert used == [kernel]
-    torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)

@@ -50,38 +50,44 @@ def _case(positions: list[int], reqs: list[int], heads: int, window: int, rate: 
                       topk=topk)
 
 
-def _check(args, kw, launch=_SMALL, rtol=1e-5, atol=1e-5):
-    out = SparseAttention(torch.device("cpu"))(*args, **kw, launch=launch)
-    torch.testing.assert_close(out, reference(*args, **kw), rtol=rtol, atol=atol)
+def _on(device, value):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _check(args, kw, device, launch=_SMALL, rtol=1e-5, atol=1e-5):
+    """The kernel on `device` (CUDA when there is one, else the interpreter on the CPU) against the reference."""
+    out = SparseAttention(device)(*(_on(device, a) for a in args), **{n: _on(device, v) for n, v in kw.items()},
+                                  launch=launch)
+    torch.testing.assert_close(out.cpu(), reference(*args, **kw), rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("window", [16, 17])
-def test_window_tile_boundary(window):
+def test_window_tile_boundary(window, device):
     """Sliding only: positions before, at and past the window's tile of 16, across requests; 17 heads (two tiles)."""
     _check(*_case([0, 5, 15, 16, 17, 40], [0, 1, 0, 1, 0, 1], heads=17, window=window, rate=0, block_size=4,
-                  k=None))
+                  k=None), device)
 
 
 @pytest.mark.parametrize("count", [16, 17])
-def test_all_entries_tile_boundary(count):
+def test_all_entries_tile_boundary(count, device):
     """HCA: every complete entry, at 16 and 17 of them (one tile, two), rate 8 over blocks of 4 (an entry every
     second block) and a query just before its window completes."""
     rate = 8
     _check(*_case([count * rate - 1, count * rate + rate - 2, 3], [0, 1, 1], heads=4, window=6, rate=rate,
-                  block_size=4, k=None))
+                  block_size=4, k=None), device)
 
 
 @pytest.mark.parametrize("k", [16, 17])
-def test_topk_tile_boundary(k):
+def test_topk_tile_boundary(k, device):
     """CSA: the listed entries (unordered, -1 padded: fewer complete than k for the short rows), rate 4 over blocks
     of 8 (two entries a block)."""
-    _check(*_case([80, 67, 20, 2], [0, 1, 0, 1], heads=16, window=6, rate=4, block_size=8, k=k))
+    _check(*_case([80, 67, 20, 2], [0, 1, 0, 1], heads=16, window=6, rate=4, block_size=8, k=k), device)
 
 
-def test_default_policy_and_bfloat16():
+def test_default_policy_and_bfloat16(device, require_bf16_dot):
     """The launch policy's tiles (64 keys at head_dim 32), in bfloat16 against the float32-math reference."""
     _check(*_case([70, 9], [0, 0], heads=4, window=65, rate=4, block_size=4, k=3, dtype=torch.bfloat16),
-           launch=None, rtol=2e-2, atol=2e-2)
+           device, launch=None, rtol=2e-2, atol=2e-2)
 
 
 def test_reference_matches_host_path_math():

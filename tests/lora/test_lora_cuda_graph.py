@@ -92,14 +92,17 @@ def test_graph_replay_with_adapters_matches_eager(tmp_path):
     graphs = _engine("cuda")
     runner = graphs.executor.runner
     assert runner.graph_runner is not None and runner.lora.mapping.use_kernels
-    replays = []
+    replays, adapter_flags = [], []
     replay = runner.graph_runner.replay
 
-    def recording(num_reqs):
+    def recording(num_reqs, *args, **kwargs):  # the runner passes whether the step carries adapters too
         replays.append(runner.lora.mapping.num_groups)
-        return replay(num_reqs)
+        adapter_flags.append(args[0] if args else kwargs.get("adapters", True))
+        return replay(num_reqs, *args, **kwargs)
     runner.graph_runner.replay = recording
     adapters = _adapters(graphs, tmp_path, "cuda")
     want = run_engine(_engine("cuda", enforce_eager=True), WORKLOAD, show_progress=False, loras=_loras(adapters))
     assert run_engine(graphs, WORKLOAD, show_progress=False, loras=_loras(adapters)) == want
-    assert replays and max(replays) == 2
+    assert replays and max(replays) == 2  # decode steps with both adapters were replayed
+    # ... from the graphs with the LoRA kernels: a step with adapters never takes the adapter-free ones
+    assert adapter_flags == [n > 0 for n in replays]

@@ -144,15 +144,30 @@ class MoEMethod:
         """This rank's share of sum_k weight_k * expert_k(x); options: biases and the activation. CUDA: the fused MoE
         kernels on the stored weights (`kernel_weights`); elsewhere the torch reference on the dense weights,
         computed once, with the activations' quantization simulated around each GEMM (`activation_quant`)."""
-        if x.is_cuda:  # the kernels skip another rank's experts themselves: no id arithmetic launched here
-            from surge.kernels.fused_moe import fused_moe
-            gate_up, down, quant = self.kernel_weights(layer)
-            return fused_moe(x, gate_up, down, topk_weights, topk_ids, expert_offset=layer.expert_start,
-                             quant=quant, **options)
+        if x.is_cuda:
+            return self.apply_kernels(layer, x, topk_weights, topk_ids, **options)
         from surge.kernels.reference import fused_moe as fused_moe_reference
         gate_up, down = self.cached_dense_weights(layer)
         return fused_moe_reference(x, gate_up, down, topk_weights, layer.local_expert_ids(topk_ids),
                                    activation_quant=self.activation_quant(), **options)
+
+    def apply_kernels(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      **options) -> torch.Tensor:
+        """apply's CUDA path (tests call it on CPU tensors: the kernels run in the interpreter). The kernels skip
+        another rank's experts themselves: no id arithmetic launched here."""
+        from surge.kernels.fused_moe import fused_moe
+        if self.kernel_takes(x.dtype):
+            gate_up, down, quant = self.kernel_weights(layer)
+        else:  # the unquantized kernels on the dequantized experts: graph-safe, unlike the reference's loop
+            (gate_up, down), quant = self.cached_dense_weights(layer), None
+        return fused_moe(x, gate_up, down, topk_weights, topk_ids, expert_offset=layer.expert_start, quant=quant,
+                         **options)
+
+    def kernel_takes(self, dtype: torch.dtype) -> bool:
+        """Whether the kernels' variant for these experts takes activations of `dtype`. Where it does not, CUDA runs
+        the unquantized kernels on the dequantized experts (`cached_dense_weights`, as the CPU path): the weights
+        exactly, so only for methods that leave the activations unquantized (activation_quant None)."""
+        return True
 
     def kernel_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor, MoeQuant | None]:
         """(gate|up, down, their MoeQuant) as the fused MoE kernels take them."""

@@ -6,7 +6,8 @@ FP8_BLOCK / FP8_DYNAMIC checkpoints store them per expert, or quantized per chan
 Storage, this rank's experts: gate_up_proj float8_e4m3fn [E, 2I, H] ([gate | up] rows), down_proj [E, H, I]; their
 scales named as the checkpoint's (`gate_up_proj_weight_scale_inv` for HF's `weight_scale_inv`): blocks
 [E, 2 * I / bn, H / bk] (gate's block rows, then up's) and [E, H / bn, I / bk], per channel [E, 2I, 1] and [E, H, 1].
-CUDA: the fused MoE kernels' fp8 variants (MoeQuant "fp8_block" | "fp8_channel"; 128x128 blocks). Elsewhere the
+CUDA: the fused MoE kernels' fp8 variants (MoeQuant "fp8_block" | "fp8_channel"; blocks of any row count and a
+power-of-two column count >= 32, 128x128 in the checkpoints). Elsewhere the
 weights are dequantized once and the activations' quantization simulated (quantize, dequantize) around each GEMM.
 """
 from __future__ import annotations
@@ -41,6 +42,10 @@ class Fp8MoEMethod(MoEMethod):
         add_expert_param(layer, "down_proj", (e, h, i), FP8, device=device)
         if self.weights == "block":
             bn, bk = self.block
+            from surge.kernels.fused_moe import fp8_block_fits
+            if device is not None and torch.device(device).type == "cuda" and not fp8_block_fits((bn, bk)):
+                raise ValueError(f"fp8 {bn}x{bk} block experts: the fused MoE kernels take blocks whose column "
+                                 f"count is a power of two >= 32")
             if i % bn:
                 raise ValueError(f"fp8 {bn}x{bk} block experts: this rank's intermediate size {i} is not a multiple "
                                  f"of the block's {bn} rows (gate's blocks and up's are stacked)")
@@ -78,14 +83,12 @@ class Fp8MoEMethod(MoEMethod):
                      for proj, scale in zip(EXPERT_WEIGHTS, self._scales(layer)))
 
     def kernel_weights(self, layer):
-        from surge.kernels.fused_moe import FP8_BLOCK, MoeQuant
-        if self.block is not None and tuple(self.block) != (FP8_BLOCK, FP8_BLOCK):
-            raise ValueError(f"fp8 {self.block[0]}x{self.block[1]} block experts: the fused MoE kernel takes "
-                             f"{FP8_BLOCK}x{FP8_BLOCK} blocks")
+        from surge.kernels.fused_moe import MoeQuant
         gate_up_scale, down_scale = self._scales(layer)
         if self.block is None:
-            gate_up_scale, down_scale = gate_up_scale.squeeze(-1), down_scale.squeeze(-1)
-        quant = MoeQuant("fp8_block" if self.block else "fp8_channel", gate_up_scale, down_scale)
+            return layer.gate_up_proj, layer.down_proj, MoeQuant("fp8_channel", gate_up_scale.squeeze(-1),
+                                                                 down_scale.squeeze(-1))
+        quant = MoeQuant("fp8_block", gate_up_scale, down_scale, block=tuple(self.block))
         return layer.gate_up_proj, layer.down_proj, quant
 
     def activation_quant(self):

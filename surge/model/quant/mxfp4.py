@@ -5,8 +5,9 @@ embeddings, LM head) stays unquantized, as the checkpoint's `modules_to_not_conv
 Checkpoint tensors, stacked per layer: mlp.experts.gate_up_proj_blocks uint8 [E, 2I, H / 32, 16] and
 gate_up_proj_scales [E, 2I, H / 32] (gate and up rows interleaved, as the layer's biases), down_proj_blocks
 [E, H, I / 32, 16] and down_proj_scales [E, H, I / 32]; stored in [gate | up] row order by the experts' loader.
-CUDA: the fused MoE kernels' mxfp4 variant (decoded in registers, bf16 activations). Elsewhere the experts are
-dequantized once into the activations' dtype (exact: each value a power-of-two multiple of an e2m1 code).
+CUDA: the fused MoE kernels' mxfp4 variant (decoded in registers, bf16 activations; other activation dtypes, as
+float32 parity runs, the unquantized kernels on the dequantized experts). Elsewhere the experts are dequantized once
+into the activations' dtype (exact: each value a power-of-two multiple of an e2m1 code).
 """
 from __future__ import annotations
 
@@ -50,6 +51,11 @@ class Mxfp4MoEMethod(MoEMethod):
     def dense_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(dequantize_mxfp4(getattr(layer, f"{proj}_blocks"), getattr(layer, f"{proj}_scales"),
                                       layer.params_dtype) for proj in EXPERT_WEIGHTS)
+
+    def kernel_takes(self, dtype: torch.dtype) -> bool:
+        """The mxfp4 variant decodes the weights to bf16 for bf16 tensor-core dots: bf16 activations. Others (float32
+        parity runs) take the dequantized experts, exact in any float dtype."""
+        return dtype == torch.bfloat16
 
     def kernel_weights(self, layer):
         from surge.kernels.fused_moe import MoeQuant
