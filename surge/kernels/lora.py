@@ -1,14 +1,19 @@
-"""Multi-LoRA in Triton: the shrink (s = x @ A[slot]^T, [T, in] -> [T, slices * r]) and the expand (y[:, slice j] +=
-s[:, j-th r columns] @ B[slot, slice j rows]^T) of a layer's adapters, every slice of a merged layer in one launch.
+"""Multi-LoRA in Triton: y[:, slice j] += (x @ A[slot, slice j]^T) @ B[slot, slice j]^T for every token of an
+adapter, every slice of a merged layer (q/k/v, gate/up) in the same launch; `lora_add` runs it, `lora_policy` says how.
 
-Tokens arrive grouped by adapter slot (punica's "v1" layout, as vLLM's lora_shrink/lora_expand): the token indices
-sorted by slot, and per group its slot, first index and length, in persistent buffers. The grid is sized by the
-token count and the group capacity (max_loras), never by the live grouping, so a CUDA graph captured once replays
-any mix of adapters; programs of unused groups or past their group's tokens return at once. The launch policy
-picks the tile: a decode-sized batch (BGMV: few tokens per adapter) takes 16-row tiles, a prefill (SGMV: segments
-of many tokens) 64-row tiles. A decode-sized shrink also splits the reduction over `in` (split-K): one token's
-A is 100s of KB, which one program per adapter would read alone, so up to 32 programs each write a partial sum
-(s is [T, SPLIT_K, n]) and the expand adds the partials as it loads them: no atomics, no zeroing, deterministic.
+Tokens arrive grouped by adapter slot (punica's "v1" layout): the token indices sorted by slot, and per group its slot,
+first index and length, in persistent buffers. A program's tile of rows is found in the kernel: the groups' tiles
+are numbered one group after another (a cumulative sum over max_loras lengths), so every tile is one adapter and
+the grid is cdiv(T, BLOCK_M) + min(max_loras, T) - 1 tiles, an upper bound set by the token count alone: a CUDA
+graph captured once replays any mix of adapters, and no program is spent on groups that are empty this step.
+
+Two paths, chosen by `lora_policy` from the token count and the shapes only:
+- split (shrink, then expand): the shrink writes s = x @ A^T as float32 partial sums over split-K chunks of `in`
+  ([T, split_k, slices * r]; no atomics, deterministic), the expand adds the partials as it loads them.
+- fused (a few tokens, A of one slice small): one kernel; each program recomputes its rows' s for its slice (A's
+  r x in from L2) and expands its columns. One launch and one dependent load chain instead of two.
+The expand's programs each cover a run of column tiles of one slice (s loaded once, B and y streamed), the column
+tiles numbered slice after slice, so no program is spent past a short slice either.
 """
 from __future__ import annotations
 
@@ -19,76 +24,106 @@ import torch
 import triton
 import triton.language as tl
 
-DECODE_MAX_TOKENS = 64  # up to this many tokens a step is decode-like: 16-row tiles
-
-
+DECODE_MAX_TOKENS = 64  # up to this many tokens a step is decode-like: 16-row tiles, float32 FMA
+# Fused shrink+expand up to this many tokens, where one slice's A (padded rank x in) is at most FUSED_MAX_A_BYTES:
+# every fused program reads it, so the bound keeps the re-reads in L2 and short (Qwen3-8B rank 16: 128 KB for
+# q/k/v, o, gate/up; down's 384 KB takes the split path). FUSED_MAX_TOKENS = 0 turns the fused path off.
+FUSED_MAX_TOKENS = 16
+FUSED_MAX_A_BYTES = 256 * 1024
+FUSED_PROGRAMS = 128  # about one program per SM (H200: 132)
+EXPAND_PROGRAMS = 1024  # enough column runs per program to amortize its s load, enough programs to fill the SMs
+SHRINK_PROGRAMS = 264  # a prefill shrink splits `in` until about two waves of programs
 SPLIT_K_CHUNK = 256  # a decode-sized shrink's `in` columns per program
 MAX_SPLIT_K = 32  # the expand adds up to this many partials per tile it loads
+PREFILL_MAX_SPLIT_K = 4  # a prefill's partials are [64 rows, split, n]: few, so the expand's s loads stay small
+WARM_UP_TOKEN_COUNTS = (1, FUSED_MAX_TOKENS + 1, DECODE_MAX_TOKENS + 1)  # one step size per path and tile shape
 
 
 @dataclass(frozen=True)
 class LoRALaunch:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    split_k: int = 1
+    fused: bool  # one kernel, each program recomputing its rows' shrink
+    block_m: int  # token rows per tile (one adapter)
+    block_r: int  # the rank padded to a power of two >= 16
+    block_n: int  # expand: output columns per step
+    tiles_per_program: int  # expand: column tiles (of one slice) per program
+    shrink_block_n: int  # split shrink: s columns per program
+    block_k: int  # shrink (split or fused): `in` columns per step
+    split_k: int  # split shrink: partial sums over `in`
+    num_warps: int = 4
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
 
 
 @lru_cache(maxsize=1024)  # an eager step asks once per layer: the answer is the same for every layer of a shape
-def shrink_policy(num_tokens: int, n: int, k: int) -> LoRALaunch:
-    """x [num_tokens, k] times A^T [k, n] (n = slices * rank: 16..192); decode-sized: split-K by 256 columns."""
-    block_m = 16 if num_tokens <= DECODE_MAX_TOKENS else 64
-    block_n = max(16, min(64, triton.next_power_of_2(n)))
-    block_k = max(16, min(128 if block_m == 16 else 64, triton.next_power_of_2(k)))
-    split_k = min(MAX_SPLIT_K, triton.cdiv(k, SPLIT_K_CHUNK)) if block_m == 16 else 1
-    return LoRALaunch(block_m, block_n, block_k, 4, split_k)
-
-
-def shrink_buffer(num_tokens: int, n: int, k: int, device: torch.device) -> torch.Tensor:
-    """The shrink's output for x [num_tokens, k] and n = slices * rank: [num_tokens, split_k, n] float32 partial
-    sums (the expand adds them)."""
-    return torch.empty(num_tokens, shrink_policy(num_tokens, n, k).split_k, n, dtype=torch.float32, device=device)
-
-
-@lru_cache(maxsize=1024)
-def expand_policy(num_tokens: int, slice_size: int, rank: int) -> LoRALaunch:
-    """s [num_tokens, rank] times B^T [rank, slice_size], added into y: the whole rank in one k step."""
-    block_m = 16 if num_tokens <= DECODE_MAX_TOKENS else 64
-    block_n = max(16, min(128 if block_m == 16 else 64, triton.next_power_of_2(slice_size)))
-    return LoRALaunch(block_m, block_n, max(16, triton.next_power_of_2(rank)), 4)
+def lora_policy(num_tokens: int, max_groups: int, in_features: int, slice_sizes: tuple[int, ...], rank: int,
+                itemsize: int) -> LoRALaunch:
+    """The launch for num_tokens rows of x [T, in_features] (itemsize bytes an element), adapters of (max) rank
+    `rank` in up to max_groups slots, output slices of slice_sizes columns."""
+    block_r = max(16, _pow2(rank))
+    groups = max(1, min(max_groups, num_tokens))
+    fused = num_tokens <= FUSED_MAX_TOKENS and block_r * in_features * itemsize <= FUSED_MAX_A_BYTES
+    decode = num_tokens <= DECODE_MAX_TOKENS
+    block_m = 16 if decode else 64
+    m_tiles = triton.cdiv(num_tokens, block_m) + groups - 1
+    block_n = max(16, min(128, _pow2(max(slice_sizes))))
+    col_tiles = sum(triton.cdiv(size, block_n) for size in slice_sizes)
+    tiles_per_program = max(1, triton.cdiv(m_tiles * col_tiles, FUSED_PROGRAMS if fused else EXPAND_PROGRAMS))
+    n = len(slice_sizes) * rank
+    shrink_block_n = max(16, min(64, _pow2(n)))
+    if fused:  # long `in` steps: few dependent loads; the stages' tiles stay under ~100 KB of shared memory
+        block_k = max(16, min(512 if itemsize <= 2 else 256, _pow2(in_features)))
+    else:
+        block_k = max(16, min(128 if decode or itemsize <= 2 else 64, _pow2(in_features)))
+    if fused:
+        split_k = 1
+    elif decode:  # one token's A is 100s of KB: up to 32 programs share it
+        split_k = min(MAX_SPLIT_K, triton.cdiv(in_features, SPLIT_K_CHUNK))
+    else:  # a prefill's long `in` loop is latency-bound when there are fewer programs than SMs
+        programs = m_tiles * triton.cdiv(n, shrink_block_n)
+        split_k = max(1, min(PREFILL_MAX_SPLIT_K, triton.cdiv(in_features, 4 * block_k),
+                             triton.cdiv(SHRINK_PROGRAMS, programs)))
+    return LoRALaunch(fused, block_m, block_r, block_n, tiles_per_program, shrink_block_n, block_k, split_k)
 
 
 @triton.jit
-def _group_rows(sorted_ptr, slot_ptr, start_ptr, len_ptr, group, pid_m, BLOCK_M: tl.constexpr):
-    """The slot of `group` and the token rows of its pid_m-th tile (mask: rows that exist); slot < 0: nothing."""
-    slot = tl.load(slot_ptr + group)
-    count = tl.load(len_ptr + group)
-    start = tl.load(start_ptr + group)
-    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _tile_rows(sorted_ptr, slot_ptr, start_ptr, len_ptr, num_groups, tile, BLOCK_M: tl.constexpr,
+               GROUPS: tl.constexpr):
+    """The slot of the tile-th tile of BLOCK_M token rows (the groups' tiles numbered one group after another), its
+    rows and their mask; slot -1: past the last tile."""
+    g = tl.arange(0, GROUPS)
+    live = g < num_groups
+    slots = tl.load(slot_ptr + g, mask=live, other=-1)
+    starts = tl.load(start_ptr + g, mask=live, other=0)
+    lens = tl.load(len_ptr + g, mask=live, other=0)
+    tiles = (lens + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, 0)
+    group = tl.sum((ends <= tile).to(tl.int32), 0)  # empty groups (no tiles) are stepped over
+    here = g == group
+    slot = tl.where(group < num_groups, tl.sum(tl.where(here, slots, 0), 0), -1)
+    count = tl.sum(tl.where(here, lens, 0), 0)
+    offs = (tile - tl.sum(tl.where(here, ends - tiles, 0), 0)) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask = offs < count
-    rows = tl.load(sorted_ptr + start + offs, mask=mask, other=0).to(tl.int64)
-    return slot, count, rows, mask
+    rows = tl.load(sorted_ptr + tl.sum(tl.where(here, starts, 0), 0) + offs, mask=mask, other=0).to(tl.int64)
+    return slot, rows, mask
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, s_ptr, sorted_ptr, slot_ptr, start_ptr, len_ptr, n, k, k_per_split, stride_x,
-                   stride_as, stride_an, stride_s, stride_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    group = tl.program_id(1)
-    split = tl.program_id(2)
-    num_n = tl.cdiv(n, BLOCK_N)
-    pid_m, pid_n = pid // num_n, pid % num_n
-    slot, count, rows, mask_m = _group_rows(sorted_ptr, slot_ptr, start_ptr, len_ptr, group, pid_m, BLOCK_M)
-    if slot < 0 or pid_m * BLOCK_M >= count:
+def _shrink_kernel(x_ptr, a_ptr, s_ptr, sorted_ptr, slot_ptr, start_ptr, len_ptr, num_groups, n, k, k_per_split,
+                   stride_x, stride_as, stride_an, stride_s, stride_split, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr):
+    slot, rows, mask_m = _tile_rows(sorted_ptr, slot_ptr, start_ptr, len_ptr, num_groups, tl.program_id(0), BLOCK_M,
+                                    GROUPS)
+    if slot < 0:
         return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     a_base = a_ptr + slot.to(tl.int64) * stride_as
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = split * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, k), BLOCK_K):
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, k), BLOCK_K):  # may be empty: zeros stored
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k
         xt = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
@@ -101,70 +136,96 @@ def _shrink_kernel(x_ptr, a_ptr, s_ptr, sorted_ptr, slot_ptr, start_ptr, len_ptr
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, slot_ptr, start_ptr, len_ptr, rank, max_size,
-                   stride_s, stride_split, stride_bs, stride_bn, stride_y, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    pid = tl.program_id(0)
-    j = tl.program_id(1)  # the slice
-    group = tl.program_id(2)
-    num_n = tl.cdiv(max_size, BLOCK_N)
-    pid_m, pid_n = pid // num_n, pid % num_n
-    slot, count, rows, mask_m = _group_rows(sorted_ptr, slot_ptr, start_ptr, len_ptr, group, pid_m, BLOCK_M)
-    if slot < 0 or pid_m * BLOCK_M >= count:
+def _expand_kernel(x_ptr, a_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, slot_ptr, start_ptr, len_ptr,
+                   num_groups, num_slices, k, rank, tiles_per_program, stride_x, stride_as, stride_an, stride_s,
+                   stride_split, stride_bs, stride_bn, stride_y, FUSED: tl.constexpr, SPLIT_K: tl.constexpr,
+                   TENSOR_CORES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, SLICES: tl.constexpr):
+    slot, rows, mask_m = _tile_rows(sorted_ptr, slot_ptr, start_ptr, len_ptr, num_groups, tl.program_id(0), BLOCK_M,
+                                    GROUPS)
+    if slot < 0:
         return
-    first = tl.load(offsets_ptr + j)
-    size = tl.load(offsets_ptr + j + 1) - first
-    if pid_n * BLOCK_N >= size:
-        return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < size
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_k = offs_k < rank
-    s_tile = s_ptr + rows[:, None] * stride_s + j * rank + offs_k[None, :]
-    mask_s = mask_m[:, None] & mask_k[None, :]
-    st = tl.load(s_tile, mask=mask_s, other=0.0)
-    for split in tl.static_range(1, SPLIT_K):  # the shrink's partial sums
-        st += tl.load(s_tile + split * stride_split, mask=mask_s, other=0.0)
-    bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + (first + offs_n[None, :]) * stride_bn + offs_k[:, None],
-                 mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-    if bt.dtype == tl.float32 or BLOCK_M < 64:
-        delta = tl.dot(st, bt.to(tl.float32), input_precision="ieee")
-    else:  # prefill tiles on tensor cores: s rounded to the adapter's dtype, as PEFT's lora_B(lora_A(x)) computes in
-        # it. (H200, Qwen3-8B, 8 adapters of rank 16: offline 0.683 -> 0.728 of the base; decode-sized tiles stay in
-        # float32 FMA, 0.35 ms a batch-1 step faster there.)
-        delta = tl.dot(st.to(bt.dtype), bt)
-    y_tile = y_ptr + rows[:, None] * stride_y + first + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    y = tl.load(y_tile, mask=mask, other=0.0)
-    tl.store(y_tile, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+    # This program's slice j and run of column tiles: each slice's runs numbered one slice after another.
+    sl = tl.arange(0, SLICES)
+    firsts = tl.load(offsets_ptr + sl, mask=sl < num_slices, other=0)
+    sizes = tl.load(offsets_ptr + sl + 1, mask=sl < num_slices, other=0) - firsts
+    runs = ((sizes + BLOCK_N - 1) // BLOCK_N + tiles_per_program - 1) // tiles_per_program
+    ends = tl.cumsum(runs, 0)
+    pid_n = tl.program_id(1)
+    j = tl.sum((ends <= pid_n).to(tl.int32), 0)
+    here = sl == j
+    first = tl.sum(tl.where(here, firsts, 0), 0)
+    size = tl.sum(tl.where(here, sizes, 0), 0)
+    run = pid_n - tl.sum(tl.where(here, ends - runs, 0), 0)
+
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank
+    if FUSED:  # s = x[rows] @ A[slot, slice j]^T, the whole of `in` in this program
+        a_rows = a_ptr + slot.to(tl.int64) * stride_as + (j * rank + offs_r) * stride_an
+        st = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k
+            xt = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                         other=0.0)
+            at = tl.load(a_rows[None, :] + offs_k[:, None], mask=mask_r[None, :] & mask_k[:, None], other=0.0)
+            st += tl.dot(xt, at, input_precision="ieee")
+    else:  # the shrink's partial sums
+        s_tile = s_ptr + rows[:, None] * stride_s + j * rank + offs_r[None, :]
+        mask_s = mask_m[:, None] & mask_r[None, :]
+        st = tl.load(s_tile, mask=mask_s, other=0.0)
+        for split in tl.static_range(1, SPLIT_K):
+            st += tl.load(s_tile + split * stride_split, mask=mask_s, other=0.0)
+    if TENSOR_CORES:  # prefill tiles: s rounded to the adapter's dtype, as PEFT's lora_B(lora_A(x)) computes in it
+        st = st.to(b_ptr.dtype.element_ty)
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs + first * stride_bn
+    y_base = y_ptr + rows[:, None] * stride_y + first
+    t_end = tl.minimum((run + 1) * tiles_per_program, (size + BLOCK_N - 1) // BLOCK_N)
+    for t in range(run * tiles_per_program, t_end):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < size
+        bt = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=mask_n[None, :] & mask_r[:, None],
+                     other=0.0)
+        if TENSOR_CORES:
+            delta = tl.dot(st, bt)
+        else:  # float32 FMA: few rows, and float32 adapters exact
+            delta = tl.dot(st, bt.to(tl.float32), input_precision="ieee")
+        mask = mask_m[:, None] & mask_n[None, :]
+        y = tl.load(y_base + offs_n[None, :], mask=mask, other=0.0)
+        tl.store(y_base + offs_n[None, :], (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, s: torch.Tensor, sorted_tokens: torch.Tensor,
-                slot_ids: torch.Tensor, group_start: torch.Tensor, group_len: torch.Tensor) -> None:
-    """s[t, i, :] = the i-th split's share of x[t] @ a[slot of t]^T, for every grouped token t (x [T, k], a [L, n, k],
-    s [T, split_k, n] float32 from shrink_buffer); rows of tokens in no group are left as they are."""
+def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, slice_offsets: torch.Tensor,
+             slice_sizes: tuple[int, ...], sorted_tokens: torch.Tensor, slot_ids: torch.Tensor,
+             group_start: torch.Tensor, group_len: torch.Tensor, launch: LoRALaunch | None = None) -> None:
+    """y[t, o_j:o_j + size_j] += (x[t] @ a[slot, j*r:(j+1)*r]^T) @ b[slot, o_j:o_j + size_j]^T for every grouped
+    token t (its group's slot) and slice j: x [T, in], a [L, slices * r, in], b [L, out, r], y [T, out] (rows
+    may be strided); slice_offsets: [slices + 1] int32 output offsets o_j on the device, slice_sizes on the host.
+    Tokens in no group are left as they are. launch: the policy's unless given (benchmarks, tests)."""
     num_tokens, k = x.shape
-    n = a.shape[1]
-    p = shrink_policy(num_tokens, n, k)
-    assert s.shape == (num_tokens, p.split_k, n), (s.shape, p)
-    k_per_split = triton.cdiv(triton.cdiv(k, p.split_k), p.block_k) * p.block_k
-    grid = (triton.cdiv(num_tokens, p.block_m) * triton.cdiv(n, p.block_n), slot_ids.shape[0], p.split_k)
-    _shrink_kernel[grid](x, a, s, sorted_tokens, slot_ids, group_start, group_len, n, k, k_per_split, x.stride(0),
-                         a.stride(0), a.stride(1), s.stride(0), s.stride(1), BLOCK_M=p.block_m, BLOCK_N=p.block_n,
-                         BLOCK_K=p.block_k, num_warps=p.num_warps)
-
-
-def lora_expand(s: torch.Tensor, b: torch.Tensor, y: torch.Tensor, slice_offsets: torch.Tensor, max_slice: int,
-                sorted_tokens: torch.Tensor, slot_ids: torch.Tensor, group_start: torch.Tensor,
-                group_len: torch.Tensor) -> None:
-    """y[t, o_j:o_j+1] += s[t, j*r:(j+1)*r] @ b[slot of t, o_j:o_j+1]^T for every grouped token t and slice j
-    (slice_offsets: [slices + 1] int32 output offsets o_j; s [T, split_k, slices * r] float32 partial sums, b
-    [L, out, r])."""
-    num_tokens = s.shape[0]
     rank = b.shape[2]
-    p = expand_policy(num_tokens, max_slice, rank)
-    grid = (triton.cdiv(num_tokens, p.block_m) * triton.cdiv(max_slice, p.block_n), slice_offsets.shape[0] - 1,
-            slot_ids.shape[0])
-    _expand_kernel[grid](s, b, y, slice_offsets, sorted_tokens, slot_ids, group_start, group_len, rank, max_slice,
-                         s.stride(0), s.stride(1), b.stride(0), b.stride(1), y.stride(0), BLOCK_M=p.block_m,
-                         BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLIT_K=s.shape[1], num_warps=p.num_warps)
+    num_groups = slot_ids.shape[0]
+    if num_tokens == 0:
+        return
+    p = launch or lora_policy(num_tokens, num_groups, k, tuple(slice_sizes), rank, x.element_size())
+    groups_p2 = max(2, _pow2(num_groups))
+    m_tiles = triton.cdiv(num_tokens, p.block_m) + min(num_groups, num_tokens) - 1
+    if p.fused:
+        s, split_k = x, 1  # s unused
+    else:
+        n = a.shape[1]
+        s = torch.empty(num_tokens, p.split_k, n, dtype=torch.float32, device=x.device)
+        k_per_split = triton.cdiv(triton.cdiv(k, p.split_k), p.block_k) * p.block_k
+        _shrink_kernel[(m_tiles, triton.cdiv(n, p.shrink_block_n), p.split_k)](
+            x, a, s, sorted_tokens, slot_ids, group_start, group_len, num_groups, n, k, k_per_split, x.stride(0),
+            a.stride(0), a.stride(1), s.stride(0), s.stride(1), BLOCK_M=p.block_m, BLOCK_N=p.shrink_block_n,
+            BLOCK_K=p.block_k, GROUPS=groups_p2, num_warps=p.num_warps)
+        split_k = p.split_k
+    runs = sum(triton.cdiv(triton.cdiv(size, p.block_n), p.tiles_per_program) for size in slice_sizes)
+    tensor_cores = b.dtype != torch.float32 and p.block_m >= 64
+    _expand_kernel[(m_tiles, runs)](
+        x, a, s, b, y, slice_offsets, sorted_tokens, slot_ids, group_start, group_len, num_groups, len(slice_sizes),
+        k, rank, p.tiles_per_program, x.stride(0), a.stride(0), a.stride(1), s.stride(0), s.stride(1), b.stride(0),
+        b.stride(1), y.stride(0), FUSED=p.fused, SPLIT_K=split_k, TENSOR_CORES=tensor_cores, BLOCK_M=p.block_m,
+        BLOCK_N=p.block_n, BLOCK_R=p.block_r, BLOCK_K=p.block_k, GROUPS=groups_p2,
+        SLICES=max(2, _pow2(len(slice_sizes))), num_warps=p.num_warps)
