@@ -49,7 +49,7 @@ class LoRALaunch:
     shrink_block_n: int  # split shrink: s columns per program
     block_k: int  # shrink (split or fused): `in` columns per step
     split_k: int  # split shrink: partial sums over `in`
-    num_warps: int = 4
+    num_warps: int
 
 
 def _pow2(n: int) -> int:
@@ -58,12 +58,14 @@ def _pow2(n: int) -> int:
 
 @lru_cache(maxsize=1024)  # an eager step asks once per layer: the answer is the same for every layer of a shape
 def lora_policy(num_tokens: int, max_groups: int, in_features: int, slice_sizes: tuple[int, ...], rank: int,
-                itemsize: int) -> LoRALaunch:
+                itemsize: int, fused: bool | None = None) -> LoRALaunch:
     """The launch for num_tokens rows of x [T, in_features] (itemsize bytes an element), adapters of (max) rank
-    `rank` in up to max_groups slots, output slices of slice_sizes columns."""
+    `rank` in up to max_groups slots, output slices of slice_sizes columns. fused: the path (None: the policy's;
+    the benchmark and the tests ask for the other one too)."""
     block_r = max(16, _pow2(rank))
     groups = max(1, min(max_groups, num_tokens))
-    fused = num_tokens <= FUSED_MAX_TOKENS and block_r * in_features * itemsize <= FUSED_MAX_A_BYTES
+    if fused is None:
+        fused = num_tokens <= FUSED_MAX_TOKENS and block_r * in_features * itemsize <= FUSED_MAX_A_BYTES
     decode = num_tokens <= DECODE_MAX_TOKENS
     block_m = 16 if decode else 64
     m_tiles = triton.cdiv(num_tokens, block_m) + groups - 1
@@ -84,7 +86,9 @@ def lora_policy(num_tokens: int, max_groups: int, in_features: int, slice_sizes:
         programs = m_tiles * triton.cdiv(n, shrink_block_n)
         split_k = max(1, min(PREFILL_MAX_SPLIT_K, triton.cdiv(in_features, 4 * block_k),
                              triton.cdiv(SHRINK_PROGRAMS, programs)))
-    return LoRALaunch(fused, block_m, block_r, block_n, tiles_per_program, shrink_block_n, block_k, split_k)
+    num_warps = 4 if decode else 8  # a prefill's 64 x 128 float32 tile: 64 registers a thread at 8 warps
+    return LoRALaunch(fused, block_m, block_r, block_n, tiles_per_program, shrink_block_n, block_k, split_k,
+                      num_warps)
 
 
 @triton.jit
@@ -140,7 +144,7 @@ def _expand_kernel(x_ptr, a_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, s
                    num_groups, num_slices, k, rank, tiles_per_program, stride_x, stride_as, stride_an, stride_s,
                    stride_split, stride_bs, stride_bn, stride_y, FUSED: tl.constexpr, SPLIT_K: tl.constexpr,
                    TENSOR_CORES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, SLICES: tl.constexpr):
+                   BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, SLICES: tl.constexpr, OFFSET_ALIGN: tl.constexpr):
     slot, rows, mask_m = _tile_rows(sorted_ptr, slot_ptr, start_ptr, len_ptr, num_groups, tl.program_id(0), BLOCK_M,
                                     GROUPS)
     if slot < 0:
@@ -154,7 +158,8 @@ def _expand_kernel(x_ptr, a_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, s
     pid_n = tl.program_id(1)
     j = tl.sum((ends <= pid_n).to(tl.int32), 0)
     here = sl == j
-    first = tl.sum(tl.where(here, firsts, 0), 0)
+    # y's columns start at a multiple of 8 (the slices of real models): said, so y's rows load as 16-byte vectors
+    first = tl.multiple_of(tl.sum(tl.where(here, firsts, 0), 0), OFFSET_ALIGN)
     size = tl.sum(tl.where(here, sizes, 0), 0)
     run = pid_n - tl.sum(tl.where(here, ends - runs, 0), 0)
 
@@ -196,18 +201,20 @@ def _expand_kernel(x_ptr, a_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, s
 
 
 def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, slice_offsets: torch.Tensor,
-             slice_sizes: tuple[int, ...], sorted_tokens: torch.Tensor, slot_ids: torch.Tensor,
+             slices: tuple[tuple[int, int], ...], sorted_tokens: torch.Tensor, slot_ids: torch.Tensor,
              group_start: torch.Tensor, group_len: torch.Tensor, launch: LoRALaunch | None = None) -> None:
     """y[t, o_j:o_j + size_j] += (x[t] @ a[slot, j*r:(j+1)*r]^T) @ b[slot, o_j:o_j + size_j]^T for every grouped
     token t (its group's slot) and slice j: x [T, in], a [L, slices * r, in], b [L, out, r], y [T, out] (rows
-    may be strided); slice_offsets: [slices + 1] int32 output offsets o_j on the device, slice_sizes on the host.
+    may be strided); slice_offsets: [slices + 1] int32 output offsets o_j on the device, slices: (o_j, size_j) on
+    the host.
     Tokens in no group are left as they are. launch: the policy's unless given (benchmarks, tests)."""
     num_tokens, k = x.shape
+    slice_sizes = tuple(size for _, size in slices)
     rank = b.shape[2]
     num_groups = slot_ids.shape[0]
     if num_tokens == 0:
         return
-    p = launch or lora_policy(num_tokens, num_groups, k, tuple(slice_sizes), rank, x.element_size())
+    p = launch or lora_policy(num_tokens, num_groups, k, slice_sizes, rank, x.element_size())
     groups_p2 = max(2, _pow2(num_groups))
     m_tiles = triton.cdiv(num_tokens, p.block_m) + min(num_groups, num_tokens) - 1
     if p.fused:
@@ -228,4 +235,5 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor,
         k, rank, p.tiles_per_program, x.stride(0), a.stride(0), a.stride(1), s.stride(0), s.stride(1), b.stride(0),
         b.stride(1), y.stride(0), FUSED=p.fused, SPLIT_K=split_k, TENSOR_CORES=tensor_cores, BLOCK_M=p.block_m,
         BLOCK_N=p.block_n, BLOCK_R=p.block_r, BLOCK_K=p.block_k, GROUPS=groups_p2,
-        SLICES=max(2, _pow2(len(slice_sizes))), num_warps=p.num_warps)
+        SLICES=max(2, _pow2(len(slice_sizes))), OFFSET_ALIGN=8 if all(o % 8 == 0 for o, _ in slices) else 1,
+        num_warps=p.num_warps)

@@ -44,7 +44,7 @@ def _run_kernels(layer, x, base, token_slot, launch=None):
     wide = torch.full((base.shape[0], base.shape[1] + 5), 7.0, dtype=base.dtype, device=base.device)
     y = wide[:, 2:2 + base.shape[1]]
     y.copy_(base)
-    lora_add(x, layer.a, layer.b, y, layer.slice_offsets, layer.slice_sizes, m.sorted_tokens, m.slot_ids,
+    lora_add(x, layer.a, layer.b, y, layer.slice_offsets, layer.slice_key, m.sorted_tokens, m.slot_ids,
              m.group_start, m.group_len, launch)
     assert (wide[:, :2] == 7).all() and (wide[:, 2 + base.shape[1]:] == 7).all()  # nothing written outside y
     return y
@@ -57,6 +57,7 @@ def _run_kernels(layer, x, base, token_slot, launch=None):
     (16, 96, [(0, 40), (40, 40)], 16),  # the largest fused step; in and slices not tile multiples
     (17, 96, [(0, 40), (40, 40)], 16),  # the smallest split decode-tile step
     (4, 64, [(0, 32), (32, 32)], 64),  # rank 64 fused
+    (9, 64, [(0, 20), (20, 12)], 8),  # a slice starting off a multiple of 8 columns
     (64, 48, [(0, 40), (40, 40)], 16),  # the largest decode-tile step
     (65, 64, [(0, 80)], 64),  # the smallest prefill-tile step; rank 64
     (130, 96, [(0, 24), (24, 136)], 32),  # several 64-row tiles; a slice wider than its tile
@@ -82,9 +83,10 @@ def test_kernels_match_torch(num_tokens, in_features, slices, rank, dtype, varia
     token_slot = torch.randint(-1, max_loras, (num_tokens,), generator=g).numpy()
     token_slot[:3] = [2, -1, 0][:num_tokens]
 
-    launch = lora_policy(num_tokens, max_loras, in_features, layer.slice_sizes, rank, x.element_size())
+    sizes = tuple(size for _, size in slices)
+    launch = lora_policy(num_tokens, max_loras, in_features, sizes, rank, x.element_size())
     if variant == "other_path":
-        launch = dataclasses.replace(launch, fused=not launch.fused)
+        launch = lora_policy(num_tokens, max_loras, in_features, sizes, rank, x.element_size(), not launch.fused)
     elif variant == "narrow_runs":
         launch = dataclasses.replace(launch, block_n=16, tiles_per_program=3)
     y_kernel = _run_kernels(layer, x, base, token_slot, launch)
@@ -130,7 +132,7 @@ def test_unused_groups_and_padding_tokens_are_skipped(num_tokens, device, monkey
     m.set_tokens(np.full(num_tokens, -1))
     x, y = torch.randn(num_tokens, 32, device=device), torch.randn(num_tokens, 16, device=device)
     out = y.clone()
-    kernels.lora_add(x, layer.a, layer.b, out, layer.slice_offsets, layer.slice_sizes, m.sorted_tokens, m.slot_ids,
+    kernels.lora_add(x, layer.a, layer.b, out, layer.slice_offsets, layer.slice_key, m.sorted_tokens, m.slot_ids,
                      m.group_start, m.group_len)
     assert torch.equal(out, y)
     monkeypatch.setattr(kernels, "lora_add", lambda *a: pytest.fail("launched for a step with no adapter"))

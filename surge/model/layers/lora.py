@@ -89,7 +89,7 @@ class LinearLoRA:
         self.a = torch.zeros(max_loras, len(slices) * max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
         self.slice_offsets = torch.tensor([o for o, _ in slices] + [out_features], dtype=torch.int32, device=device)
-        self.slice_sizes = tuple(size for _, size in slices)
+        self.slice_key = tuple(slices)  # hashable: the kernels' launch policy is cached by it
 
     def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slice index -> (A [r, in_local], B [rows, r], the scaling folded in), already sharded for this rank;
@@ -138,5 +138,5 @@ class LinearLoRA:
     def _kernels(self, y: torch.Tensor, x: torch.Tensor, m: LoRAMapping) -> None:
         from surge.kernels.lora import lora_add  # Triton (CUDA, or interpreted)
 
-        lora_add(x, self.a, self.b, y, self.slice_offsets, self.slice_sizes, m.sorted_tokens, m.slot_ids,
+        lora_add(x, self.a, self.b, y, self.slice_offsets, self.slice_key, m.sorted_tokens, m.slot_ids,
                  m.group_start, m.group_len)
