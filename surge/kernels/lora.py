@@ -25,11 +25,14 @@ import triton
 import triton.language as tl
 
 DECODE_MAX_TOKENS = 64  # up to this many tokens a step is decode-like: 16-row tiles, float32 FMA
-# Fused shrink+expand up to this many tokens, where one slice's A (padded rank x in) is at most FUSED_MAX_A_BYTES:
-# every fused program reads it, so the bound keeps the re-reads in L2 and short (Qwen3-8B rank 16: 128 KB for
-# q/k/v, o, gate/up; down's 384 KB takes the split path). FUSED_MAX_TOKENS = 0 turns the fused path off.
+# Fused shrink+expand up to FUSED_MAX_TOKENS tokens, where every program's re-read of its slice's A (padded rank x
+# in, from L2) stays short: at most FUSED_MAX_A_BYTES a program and FUSED_MAX_REREAD_BYTES over the grid (Qwen3-8B,
+# rank 16, bf16: one token fused in all four groups, 128 KB a program (down: 384 KB) and 4-12 MB in all; 16 tokens
+# of 8 adapters fused for q/k/v, o and gate/up). FUSED_MAX_TOKENS = 0 turns the fused path off.
 FUSED_MAX_TOKENS = 16
-FUSED_MAX_A_BYTES = 256 * 1024
+FUSED_MAX_A_BYTES = 512 * 1024
+FUSED_MAX_REREAD_BYTES = 20 * 1024 * 1024
+TILE_BYTES = 16 * 1024  # a loaded tile of A, B, x or y at most: 3 pipeline stages stay within shared memory
 FUSED_PROGRAMS = 128  # about one program per SM (H200: 132)
 EXPAND_PROGRAMS = 1024  # enough column runs per program to amortize its s load, enough programs to fill the SMs
 SHRINK_PROGRAMS = 264  # a prefill shrink splits `in` until about two waves of programs
@@ -64,18 +67,27 @@ def lora_policy(num_tokens: int, max_groups: int, in_features: int, slice_sizes:
     the benchmark and the tests ask for the other one too)."""
     block_r = max(16, _pow2(rank))
     groups = max(1, min(max_groups, num_tokens))
-    if fused is None:
-        fused = num_tokens <= FUSED_MAX_TOKENS and block_r * in_features * itemsize <= FUSED_MAX_A_BYTES
     decode = num_tokens <= DECODE_MAX_TOKENS
     block_m = 16 if decode else 64
     m_tiles = triton.cdiv(num_tokens, block_m) + groups - 1
-    block_n = max(16, min(128, _pow2(max(slice_sizes))))
+    block_n = max(16, min(128, _pow2(max(slice_sizes)), TILE_BYTES // (max(block_r, block_m) * itemsize)))
     col_tiles = sum(triton.cdiv(size, block_n) for size in slice_sizes)
-    tiles_per_program = max(1, triton.cdiv(m_tiles * col_tiles, FUSED_PROGRAMS if fused else EXPAND_PROGRAMS))
+
+    def runs(target: int) -> tuple[int, int]:
+        """(column tiles a program, programs) for about `target` programs."""
+        per_program = max(1, triton.cdiv(m_tiles * col_tiles, target))
+        return per_program, m_tiles * sum(triton.cdiv(triton.cdiv(size, block_n), per_program) for size in slice_sizes)
+
+    if fused is None:
+        a_bytes = block_r * in_features * itemsize
+        fused = (num_tokens <= FUSED_MAX_TOKENS and a_bytes <= FUSED_MAX_A_BYTES
+                 and runs(FUSED_PROGRAMS)[1] * a_bytes <= FUSED_MAX_REREAD_BYTES)
+    tiles_per_program = runs(FUSED_PROGRAMS if fused else EXPAND_PROGRAMS)[0]
     n = len(slice_sizes) * rank
     shrink_block_n = max(16, min(64, _pow2(n)))
-    if fused:  # long `in` steps: few dependent loads; the stages' tiles stay under ~100 KB of shared memory
-        block_k = max(16, min(512 if itemsize <= 2 else 256, _pow2(in_features)))
+    if fused:  # long `in` steps (few dependent loads), within TILE_BYTES a tile
+        block_k = max(16, min(TILE_BYTES // (block_r * itemsize), TILE_BYTES // (block_m * itemsize),
+                              _pow2(in_features)))
     else:
         block_k = max(16, min(128 if decode or itemsize <= 2 else 64, _pow2(in_features)))
     if fused:

@@ -149,16 +149,22 @@ def test_launch_policy_boundaries():
     def policy(num_tokens, k=4096, slices=QKV, rank=16, itemsize=2, groups=8):
         return lora_policy(num_tokens, groups, k, slices, rank, itemsize)
 
-    # fused up to FUSED_MAX_TOKENS tokens, where one slice's A (padded rank x in) is at most 256 KB
+    # fused up to FUSED_MAX_TOKENS tokens, where one slice's A (padded rank x in) is at most 512 KB and the grid's
+    # re-reads of it at most 20 MB
     assert policy(FUSED_MAX_TOKENS).fused and not policy(FUSED_MAX_TOKENS + 1).fused
-    assert policy(1, k=8192).fused and not policy(1, k=8193).fused  # rank 16, bf16: 256 KB
-    assert policy(1, k=4096, itemsize=4).fused and not policy(1, k=4097, itemsize=4).fused
-    assert policy(1, rank=32, k=4096).fused and not policy(1, rank=33, k=4096).fused  # rank padded to 64
-    assert not policy(1, k=12288, slices=(4096,)).fused  # Qwen3-8B's down: split
+    assert policy(1, k=16384, slices=(128,)).fused and not policy(1, k=16385, slices=(128,)).fused  # r 16, bf16
+    assert policy(1, k=8192, slices=(128,), itemsize=4).fused
+    assert not policy(1, k=8193, slices=(128,), itemsize=4).fused
+    assert policy(1, rank=33, slices=(128,)).fused and not policy(1, rank=33, k=4097, slices=(128,)).fused  # r 64
+    # Qwen3-8B's down (384 KB, 32 column tiles): one token fused, two of two adapters (24 MB of re-reads) split
+    assert policy(1, k=12288, slices=(4096,)).fused and not policy(2, k=12288, slices=(4096,)).fused
+    assert policy(FUSED_MAX_TOKENS, slices=GATE_UP).fused  # 128 programs of 128 KB: 16 MB
     # tiles: 16 rows up to DECODE_MAX_TOKENS, then 64
     assert policy(DECODE_MAX_TOKENS).block_m == 16 and policy(DECODE_MAX_TOKENS + 1).block_m == 64
     assert policy(1, rank=8).block_r == 16 and policy(1, rank=16).block_r == 16 and policy(1, rank=17).block_r == 32
     assert policy(1, slices=(8,)).block_n == 16 and policy(1).block_n == 128
+    # B and y tiles within 16 KB
+    assert policy(2048, itemsize=4).block_n == 64 and policy(1, rank=64, itemsize=4).block_n == 64
     # the expand's column runs: about FUSED_PROGRAMS programs fused, EXPAND_PROGRAMS split
     assert policy(1).tiles_per_program == 1  # 48 tiles (q 32, k 8, v 8): 48 programs
     assert policy(1, slices=GATE_UP).tiles_per_program == 2  # 192 tiles: 96 programs
@@ -172,6 +178,7 @@ def test_launch_policy_boundaries():
     assert policy(2048).split_k == 4 and policy(2048, k=1024).split_k == 2 and policy(2048, k=512).split_k == 1
     assert policy(8192).split_k == 2 and policy(65536).split_k == 1
     assert policy(1).block_k == 512 and policy(1, itemsize=4).block_k == 256 and policy(1, k=100).block_k == 128
+    assert policy(1, rank=64, slices=(128,)).block_k == 128  # the fused A tile within 16 KB
     assert policy(17).block_k == 128 and policy(2048).block_k == 128 and policy(2048, itemsize=4).block_k == 64
 
 
