@@ -35,7 +35,6 @@ FUSED_MAX_REREAD_BYTES = 20 * 1024 * 1024
 TILE_BYTES = 16 * 1024  # a loaded tile of A, B, x or y at most: 3 pipeline stages stay within shared memory
 FUSED_PROGRAMS = 128  # about one program per SM (H200: 132)
 EXPAND_PROGRAMS = 1024  # enough column runs per program to amortize its s load, enough programs to fill the SMs
-SHRINK_PROGRAMS = 264  # a prefill shrink splits `in` until about two waves of programs
 SPLIT_K_CHUNK = 256  # a decode-sized shrink's `in` columns per program
 MAX_SPLIT_K = 32  # the expand adds up to this many partials per tile it loads
 PREFILL_MAX_SPLIT_K = 4  # a prefill's partials are [64 rows, split, n]: few, so the expand's s loads stay small
@@ -94,10 +93,9 @@ def lora_policy(num_tokens: int, max_groups: int, in_features: int, slice_sizes:
         split_k = 1
     elif decode:  # one token's A is 100s of KB: up to 32 programs share it
         split_k = min(MAX_SPLIT_K, triton.cdiv(in_features, SPLIT_K_CHUNK))
-    else:  # a prefill's long `in` loop is latency-bound when there are fewer programs than SMs
-        programs = m_tiles * triton.cdiv(n, shrink_block_n)
-        split_k = max(1, min(PREFILL_MAX_SPLIT_K, triton.cdiv(in_features, 4 * block_k),
-                             triton.cdiv(SHRINK_PROGRAMS, programs)))
+    else:  # a prefill's long `in` loop is latency-bound when there are fewer programs than SMs (2048 tokens: 32
+        # tiles of 64 rows). By the shape alone, so every step size runs the kernels the warm-up compiled.
+        split_k = max(1, min(PREFILL_MAX_SPLIT_K, triton.cdiv(in_features, 4 * block_k)))
     num_warps = 4 if decode else 8  # a prefill's 64 x 128 float32 tile: 64 registers a thread at 8 warps
     return LoRALaunch(fused, block_m, block_r, block_n, tiles_per_program, shrink_block_n, block_k, split_k,
                       num_warps)
@@ -151,7 +149,7 @@ def _shrink_kernel(x_ptr, a_ptr, s_ptr, sorted_ptr, slot_ptr, start_ptr, len_ptr
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_program"])  # set by the step's size: one compiled kernel for all
 def _expand_kernel(x_ptr, a_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, slot_ptr, start_ptr, len_ptr,
                    num_groups, num_slices, k, rank, tiles_per_program, stride_x, stride_as, stride_an, stride_s,
                    stride_split, stride_bs, stride_bn, stride_y, FUSED: tl.constexpr, SPLIT_K: tl.constexpr,

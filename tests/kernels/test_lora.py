@@ -174,9 +174,9 @@ def test_launch_policy_boundaries():
     assert policy(17).split_k == 16 and policy(DECODE_MAX_TOKENS, k=4097).split_k == 17
     assert policy(17, k=8192).split_k == 32 and policy(17, k=12288).split_k == 32 and policy(17, k=256).split_k == 1
     assert policy(1).split_k == 1  # fused: no shrink launch
-    # prefill tiles: split until about 264 programs, at most 4, each at least 4 k steps
+    # prefill tiles: up to 4 splits of at least 4 k steps, whatever the step's size (one compiled kernel)
     assert policy(2048).split_k == 4 and policy(2048, k=1024).split_k == 2 and policy(2048, k=512).split_k == 1
-    assert policy(8192).split_k == 2 and policy(65536).split_k == 1
+    assert policy(65).split_k == policy(65536).split_k == 4
     assert policy(1).block_k == 512 and policy(1, itemsize=4).block_k == 256 and policy(1, k=100).block_k == 128
     assert policy(1, rank=64, slices=(128,)).block_k == 128  # the fused A tile within 16 KB
     assert policy(17).block_k == 128 and policy(2048).block_k == 128 and policy(2048, itemsize=4).block_k == 64
