@@ -181,9 +181,10 @@ def _expand_kernel(x_ptr, a_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, s
         for k0 in range(0, k, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < k
+            # A first: its address needs only the slot, x's the rows (one more load): warps issue in order
+            at = tl.load(a_rows[None, :] + offs_k[:, None], mask=mask_r[None, :] & mask_k[:, None], other=0.0)
             xt = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                          other=0.0)
-            at = tl.load(a_rows[None, :] + offs_k[:, None], mask=mask_r[None, :] & mask_k[:, None], other=0.0)
             st += tl.dot(xt, at, input_precision="ieee")
     else:  # the shrink's partial sums
         s_tile = s_ptr + rows[:, None] * stride_s + j * rank + offs_r[None, :]
@@ -199,14 +200,14 @@ def _expand_kernel(x_ptr, a_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, s
     for t in range(run * tiles_per_program, t_end):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < size
+        mask = mask_m[:, None] & mask_n[None, :]
         bt = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=mask_n[None, :] & mask_r[:, None],
                      other=0.0)
+        y = tl.load(y_base + offs_n[None, :], mask=mask, other=0.0)  # in flight with B's tile
         if TENSOR_CORES:
             delta = tl.dot(st, bt)
         else:  # float32 FMA: few rows, and float32 adapters exact
             delta = tl.dot(st, bt.to(tl.float32), input_precision="ieee")
-        mask = mask_m[:, None] & mask_n[None, :]
-        y = tl.load(y_base + offs_n[None, :], mask=mask, other=0.0)
         tl.store(y_base + offs_n[None, :], (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
 
 
