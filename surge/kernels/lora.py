@@ -168,9 +168,11 @@ def _expand_kernel(x_ptr, a_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, s
     pid_n = tl.program_id(1)
     j = tl.sum((ends <= pid_n).to(tl.int32), 0)
     here = sl == j
-    # y's columns start at a multiple of 8 (the slices of real models): said, so y's rows load as 16-byte vectors
-    first = tl.multiple_of(tl.sum(tl.where(here, firsts, 0), 0), OFFSET_ALIGN)
-    size = tl.sum(tl.where(here, sizes, 0), 0)
+    # Slices of real models start and end at multiples of 8 columns: said (as // and *, which the compiler's
+    # alignment analysis follows; tl.multiple_of on a reduction's result was lost), so y's rows load and store as
+    # 16-byte vectors, the column mask holding for 8 columns at a time.
+    first = tl.sum(tl.where(here, firsts, 0), 0) // OFFSET_ALIGN * OFFSET_ALIGN
+    size = tl.sum(tl.where(here, sizes, 0), 0) // OFFSET_ALIGN * OFFSET_ALIGN
     run = pid_n - tl.sum(tl.where(here, ends - runs, 0), 0)
 
     offs_r = tl.arange(0, BLOCK_R)
@@ -246,5 +248,5 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor,
         k, rank, p.tiles_per_program, x.stride(0), a.stride(0), a.stride(1), s.stride(0), s.stride(1), b.stride(0),
         b.stride(1), y.stride(0), FUSED=p.fused, SPLIT_K=split_k, TENSOR_CORES=tensor_cores, BLOCK_M=p.block_m,
         BLOCK_N=p.block_n, BLOCK_R=p.block_r, BLOCK_K=p.block_k, GROUPS=groups_p2,
-        SLICES=max(2, _pow2(len(slice_sizes))), OFFSET_ALIGN=8 if all(o % 8 == 0 for o, _ in slices) else 1,
+        SLICES=max(2, _pow2(len(slice_sizes))), OFFSET_ALIGN=8 if all(o % 8 == 0 and size % 8 == 0 for o, size in slices) else 1,
         num_warps=p.num_warps)
