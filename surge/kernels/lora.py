@@ -52,6 +52,7 @@ class LoRALaunch:
     block_k: int  # shrink (split or fused): `in` columns per step
     split_k: int  # split shrink: partial sums over `in`
     num_warps: int
+    num_stages: int  # fused: one more than Triton's 3 in flight, since one program streams all of A's slice alone
 
 
 def _pow2(n: int) -> int:
@@ -98,7 +99,7 @@ def lora_policy(num_tokens: int, max_groups: int, in_features: int, slice_sizes:
         split_k = max(1, min(PREFILL_MAX_SPLIT_K, triton.cdiv(in_features, 4 * block_k)))
     num_warps = 4 if decode else 8  # a prefill's 64 x 128 float32 tile: 64 registers a thread at 8 warps
     return LoRALaunch(fused, block_m, block_r, block_n, tiles_per_program, shrink_block_n, block_k, split_k,
-                      num_warps)
+                      num_warps, 4 if fused else 3)
 
 
 @triton.jit
@@ -177,6 +178,11 @@ def _expand_kernel(x_ptr, a_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, s
 
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs + first * stride_bn
+    y_base = y_ptr + rows[:, None] * stride_y + first
+    first_tile = run * tiles_per_program
+    # The first column tile's B and y are loaded first: in flight while s is computed or loaded.
+    bt, y, y_ptrs, mask = _load_tile(b_base, y_base, first_tile, size, mask_m, offs_r, mask_r, stride_bn, BLOCK_N)
     if FUSED:  # s = x[rows] @ A[slot, slice j]^T, the whole of `in` in this program
         a_rows = a_ptr + slot.to(tl.int64) * stride_as + (j * rank + offs_r) * stride_an
         st = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -196,21 +202,33 @@ def _expand_kernel(x_ptr, a_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, s
             st += tl.load(s_tile + split * stride_split, mask=mask_s, other=0.0)
     if TENSOR_CORES:  # prefill tiles: s rounded to the adapter's dtype, as PEFT's lora_B(lora_A(x)) computes in it
         st = st.to(b_ptr.dtype.element_ty)
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs + first * stride_bn
-    y_base = y_ptr + rows[:, None] * stride_y + first
-    t_end = tl.minimum((run + 1) * tiles_per_program, (size + BLOCK_N - 1) // BLOCK_N)
-    for t in range(run * tiles_per_program, t_end):
-        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < size
-        mask = mask_m[:, None] & mask_n[None, :]
-        bt = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=mask_n[None, :] & mask_r[:, None],
-                     other=0.0)
-        y = tl.load(y_base + offs_n[None, :], mask=mask, other=0.0)  # in flight with B's tile
-        if TENSOR_CORES:
-            delta = tl.dot(st, bt)
-        else:  # float32 FMA: few rows, and float32 adapters exact
-            delta = tl.dot(st, bt.to(tl.float32), input_precision="ieee")
-        tl.store(y_base + offs_n[None, :], (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+    _add_tile(st, bt, y, y_ptrs, mask, TENSOR_CORES)
+    for t in range(first_tile + 1, tl.minimum((run + 1) * tiles_per_program, (size + BLOCK_N - 1) // BLOCK_N)):
+        bt, y, y_ptrs, mask = _load_tile(b_base, y_base, t, size, mask_m, offs_r, mask_r, stride_bn, BLOCK_N)
+        _add_tile(st, bt, y, y_ptrs, mask, TENSOR_CORES)
+
+
+@triton.jit
+def _load_tile(b_base, y_base, t, size, mask_m, offs_r, mask_r, stride_bn, BLOCK_N: tl.constexpr):
+    """Column tile t of the slice: B's [rank, BLOCK_N] tile (transposed), y's rows there, their pointers and mask."""
+    offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < size
+    mask = mask_m[:, None] & mask_n[None, :]
+    bt = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=mask_n[None, :] & mask_r[:, None],
+                 other=0.0)
+    y_ptrs = y_base + offs_n[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    return bt, y, y_ptrs, mask
+
+
+@triton.jit
+def _add_tile(st, bt, y, y_ptrs, mask, TENSOR_CORES: tl.constexpr):
+    """y += s @ B^T on one tile: tensor cores for prefill tiles, float32 FMA else (few rows; float32 adapters exact)."""
+    if TENSOR_CORES:
+        delta = tl.dot(st, bt)
+    else:
+        delta = tl.dot(st, bt.to(tl.float32), input_precision="ieee")
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
 
 
 def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, slice_offsets: torch.Tensor,
@@ -248,5 +266,6 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor,
         k, rank, p.tiles_per_program, x.stride(0), a.stride(0), a.stride(1), s.stride(0), s.stride(1), b.stride(0),
         b.stride(1), y.stride(0), FUSED=p.fused, SPLIT_K=split_k, TENSOR_CORES=tensor_cores, BLOCK_M=p.block_m,
         BLOCK_N=p.block_n, BLOCK_R=p.block_r, BLOCK_K=p.block_k, GROUPS=groups_p2,
-        SLICES=max(2, _pow2(len(slice_sizes))), OFFSET_ALIGN=8 if all(o % 8 == 0 and size % 8 == 0 for o, size in slices) else 1,
-        num_warps=p.num_warps)
+        SLICES=max(2, _pow2(len(slice_sizes))),
+        OFFSET_ALIGN=8 if all(o % 8 == 0 and size % 8 == 0 for o, size in slices) else 1, num_warps=p.num_warps,
+        num_stages=p.num_stages)
