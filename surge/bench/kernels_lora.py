@@ -4,6 +4,8 @@ tokens over 8 adapters) and a 2048-token prefill (16 segments of 128 tokens, 8 a
 the kernels before issue 30's rework ("old": a split-K shrink and an expand, one grid over every max_loras group) and
 now (surge/kernels/lora.py: the policy's launch, and at decode sizes the fused and the split paths both), in us and
 GB/s of the bytes the step must move: x and y read, y written, each live adapter's A and B read once.
+Without a GPU, `python -m surge.bench.kernels_lora` compiles each variant for sm_90 and prints its registers, spills,
+shared memory and stores (y's rows should be 16-byte vectors).
 """
 # The old kernels are kept here, unchanged from commit 8d73cb6, only as this benchmark's baseline.
 from __future__ import annotations
@@ -237,3 +239,104 @@ def check_lora(bench: Callable, report: Callable, max_err: Callable,
                 extra = "fused" if launch.fused else f"split_k {launch.split_k}"
                 report(f"{tag} {label}", bench(new), nbytes=nbytes, err=err, tol=2e-2,
                        extra=f"({extra}, {launch.tiles_per_program} col tiles/program)")
+
+
+def recorded_launches(num_tokens: int, in_features: int, sizes: tuple[int, ...], dtype: torch.dtype = DTYPE,
+                      rank: int = RANK, fused: bool | None = None) -> list[tuple[object, dict, dict]]:
+    """The Triton launches lora_add makes for this step, recorded, not run (tensors on the meta device): each as
+    (the @triton.jit kernel, its arguments by name, launch options)."""
+    from surge.kernels import lora as kernels
+
+    out = sum(sizes)
+    offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+    meta = torch.device("meta")
+    calls = []
+
+    class Recorder:
+        def __init__(self, kernel) -> None:
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, num_warps: int, num_stages: int = 3, **constexprs):
+                values = dict(zip(self.kernel.arg_names, args)) | constexprs
+                calls.append((self.kernel, values, {"num_warps": num_warps, "num_stages": num_stages}))
+            return launch
+
+    real = kernels._shrink_kernel, kernels._expand_kernel
+    kernels._shrink_kernel, kernels._expand_kernel = Recorder(real[0]), Recorder(real[1])
+    try:
+        groups = [torch.zeros(MAX_LORAS, dtype=torch.int32, device=meta) for _ in range(3)]
+        launch = kernels.lora_policy(num_tokens, MAX_LORAS, in_features, sizes, rank, dtype.itemsize, fused)
+        kernels.lora_add(torch.empty(num_tokens, in_features, dtype=dtype, device=meta),
+                         torch.empty(MAX_LORAS, len(sizes) * rank, in_features, dtype=dtype, device=meta),
+                         torch.empty(MAX_LORAS, out, rank, dtype=dtype, device=meta),
+                         torch.empty(num_tokens, out, dtype=dtype, device=meta),
+                         torch.empty(len(sizes) + 1, dtype=torch.int32, device=meta), tuple(zip(offsets, sizes)),
+                         torch.empty(num_tokens, dtype=torch.int32, device=meta), *groups, launch=launch)
+    finally:
+        kernels._shrink_kernel, kernels._expand_kernel = real
+    return calls
+
+
+@dataclass(frozen=True)
+class Compiled:
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    vector_stores: int  # 16-byte st.global.v4 in the PTX (y's rows in the expand)
+    scalar_stores: int  # every other st.global
+
+
+def compile_launch(kernel, values: dict, options: dict, arch: int = 90) -> Compiled:
+    """Compile one recorded launch for sm_<arch> as the launch would specialize it (pointers and multiples of 16
+    known 16-divisible, do_not_specialize arguments not), with Triton's own ptxas; read back its resources."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from surge.bench.kernel_resources import _cuobjdump, parse_resource_usage
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_launch compiles for the GPU: run it without TRITON_INTERPRET=1")
+    types = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
+    loose = set(kernel.do_not_specialize or ())
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
+        value = values[name]
+        if param.is_constexpr:
+            signature[name], constexprs[name] = "constexpr", value
+            continue
+        signature[name] = types[value.dtype] if isinstance(value, torch.Tensor) else "i32"
+        if isinstance(value, torch.Tensor) or (value % 16 == 0 and name not in loose and i not in loose):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    registers, spill, _ = parse_resource_usage(usage)
+    ptx = compiled.asm["ptx"]
+    vector = len(re.findall(r"st\.global[.\w:]*\.v4", ptx))
+    return Compiled(registers, spill, compiled.metadata.shared, vector, len(re.findall(r"st\.global", ptx)) - vector)
+
+
+def main() -> None:
+    """`python -m surge.bench.kernels_lora`: without a GPU, each LoRA kernel variant of Qwen3-8B's groups compiled
+    for sm_90: registers, spills, shared memory and stores (y's rows should be 16-byte vectors)."""
+    print(f"{'LoRA launch (bf16, rank 16)':<44} {'regs':>5} {'spill B':>8} {'shared B':>9} {'st.v4':>6} {'st':>4}")
+    for name, (k, sizes) in GROUPS.items():
+        for m in (1, 17, 65, 2048):
+            for kernel, values, options in recorded_launches(m, k, sizes):
+                c = compile_launch(kernel, values, options)
+                path = "fused" if values.get("FUSED") else kernel.__name__.strip("_").replace("_kernel", "")
+                print(f"{f'{name} M={m} {path}':<44} {c.registers:>5} {c.spill_bytes:>8} {c.shared_bytes:>9} "
+                      f"{c.vector_stores:>6} {c.scalar_stores:>4}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """`python -m surge.bench.kernels --only lora` on small shapes under the interpreter: every case (the old kernels, the
-policy's launch, the other path at decode sizes) runs and matches the float32 reference, so the GPU run the lead
-makes can only fail on the GPU."""
+policy's launch, the other path at decode sizes) runs and matches the float32 reference before it is timed on a
+GPU."""
 from __future__ import annotations
 
 
