@@ -13,7 +13,8 @@ Two paths, chosen by `lora_policy` from the token count and the shapes only:
 - fused (a few tokens, A of one slice small): one kernel; each program recomputes its rows' s for its slice (A's
   r x in from L2) and expands its columns. One launch and one dependent load chain instead of two.
 The expand's programs each cover a run of column tiles of one slice (s loaded once, B and y streamed), the column
-tiles numbered slice after slice, so no program is spent past a short slice either.
+tiles numbered slice after slice, so no program is spent past a short slice either. Numerics by tile: 16-row tiles
+multiply s and B in float32, 64-row tiles (prefill) round s to the adapter's dtype for tensor cores, as PEFT does.
 """
 from __future__ import annotations
 
