@@ -730,7 +730,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes")
     parser.add_argument("--only", choices=["layers", "attention", "mla", "sampling", "moe", "moe-sweep", "quant",
-                                           "int4", "gemv", "wo"],
+                                           "int4", "gemv", "wo", "lora"],
                         help="one group of kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -764,6 +764,9 @@ def main() -> None:
         check_gemv()
     if args.only in (None, "wo"):
         check_wo_gemm((1, 16, 64) if args.quick else (1, 8, 16, 32, 64, 128))
+    if args.only in (None, "lora"):
+        from surge.bench.kernels_lora import check_lora
+        check_lora(bench, report, max_err, (1, 64, 2048) if args.quick else (1, 8, 64, 2048))
     if failures:
         sys.exit(f"FAILED: {', '.join(failures)}")
     print("# all checks passed")

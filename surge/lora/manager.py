@@ -36,15 +36,16 @@ class LoRAManager:
         self.free_slots = list(reversed(range(config.max_loras)))
 
     def warm_up(self) -> float:
-        """Compile the LoRA kernels for every distinct layer shape, at both launch policies (decode, prefill)."""
-        from surge.kernels.lora import DECODE_MAX_TOKENS
+        """Compile the LoRA kernels for every distinct layer shape, at each of the launch policy's paths (fused,
+        split with decode tiles, prefill tiles)."""
+        from surge.kernels.lora import WARM_UP_TOKEN_COUNTS
 
         start = time.perf_counter()
         shapes = {}
         for layer in self.layers.values():
             shapes.setdefault((tuple(layer.a.shape), tuple(layer.b.shape), tuple(layer.slices)), layer)
         for layer in shapes.values():
-            for num_tokens in (1, DECODE_MAX_TOKENS + 1):
+            for num_tokens in WARM_UP_TOKEN_COUNTS:
                 layer.warm_up(num_tokens, self.dtype)
         return time.perf_counter() - start
 

@@ -89,7 +89,7 @@ class LinearLoRA:
         self.a = torch.zeros(max_loras, len(slices) * max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
         self.slice_offsets = torch.tensor([o for o, _ in slices] + [out_features], dtype=torch.int32, device=device)
-        self.max_slice = max(size for _, size in slices)
+        self.slice_key = tuple(slices)  # hashable: the kernels' launch policy is cached by it
 
     def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slice index -> (A [r, in_local], B [rows, r], the scaling folded in), already sharded for this rank;
@@ -106,16 +106,11 @@ class LinearLoRA:
     def warm_up(self, num_tokens: int, dtype: torch.dtype) -> None:
         """Compile the kernels for this layer's shapes at num_tokens' launch policy, over a mapping of its own with
         no adapter (the step's may be in use: under background graph capture the engine serves meanwhile)."""
-        from surge.kernels.lora import lora_expand, lora_shrink, shrink_buffer
-
         m = LoRAMapping(1, self.mapping.max_loras, self.mapping.device, use_kernels=True)
         device = self.a.device
         x = torch.zeros(num_tokens, self.a.shape[2], dtype=dtype, device=device)
         y = torch.zeros(num_tokens, self.b.shape[1], dtype=dtype, device=device)
-        s = shrink_buffer(num_tokens, self.a.shape[1], self.a.shape[2], device)
-        lora_shrink(x, self.a, s, m.sorted_tokens, m.slot_ids, m.group_start, m.group_len)
-        lora_expand(s, self.b, y, self.slice_offsets, self.max_slice, m.sorted_tokens, m.slot_ids, m.group_start,
-                    m.group_len)
+        self._kernels(y, x, m)
 
     def add_(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y += this step's adapters' deltas, token by token."""
@@ -126,12 +121,7 @@ class LinearLoRA:
         elif not m.num_groups:
             return  # no adapter in this step (a graph being captured records the launches for steps with some)
         if m.use_kernels:
-            from surge.kernels.lora import lora_expand, lora_shrink, shrink_buffer  # Triton (CUDA, or interpreted)
-
-            s = shrink_buffer(x.shape[0], self.a.shape[1], self.a.shape[2], x.device)
-            lora_shrink(x, self.a, s, m.sorted_tokens, m.slot_ids, m.group_start, m.group_len)
-            lora_expand(s, self.b, y, self.slice_offsets, self.max_slice, m.sorted_tokens, m.slot_ids,
-                        m.group_start, m.group_len)
+            self._kernels(y, x, m)
             return
         r = self.max_rank
         for slot, idx in m.groups:
@@ -144,3 +134,9 @@ class LinearLoRA:
                     out.add_(delta)
                 else:
                     out.index_add_(0, idx, delta)
+
+    def _kernels(self, y: torch.Tensor, x: torch.Tensor, m: LoRAMapping) -> None:
+        from surge.kernels.lora import lora_add  # Triton (CUDA, or interpreted)
+
+        lora_add(x, self.a, self.b, y, self.slice_offsets, self.slice_key, m.sorted_tokens, m.slot_ids,
+                 m.group_start, m.group_len)
