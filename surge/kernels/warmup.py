@@ -8,9 +8,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import ClassVar
+
+import torch
 
 from surge.logger import init_logger
 
@@ -94,3 +97,31 @@ def write_back(cache: dict, keys: Sequence[Hashable], results: Sequence[tuple[Ha
             raise RuntimeError(f"compile result for {result_key!r} came back in the slot of {key!r}")
         pairs.append((key, artifact))
     cache.update(pairs)
+
+
+_compile_only = threading.local()
+
+
+@contextmanager
+def compile_only() -> Iterator[None]:
+    """Within (on this thread): `launch` compiles each kernel variant instead of running it, so that a wrapper's
+    `compile` can run its real launch code, on meta tensors (only their dtypes, shapes and strides are read), and
+    cannot drift from it."""
+    _compile_only.on = True
+    try:
+        yield
+    finally:
+        _compile_only.on = False
+
+
+def compiling() -> bool:
+    return getattr(_compile_only, "on", False)
+
+
+def launch(kernel, grid: tuple[int, ...], args: Sequence, constexprs: dict) -> object:
+    """kernel[grid](*args, **constexprs), or within `compile_only` its compilation alone: a tensor argument is
+    passed as its dtype (Triton then specializes it as a 16-byte aligned pointer, as every launch's tensors are)."""
+    if compiling():
+        return kernel.warmup(*(a.dtype if isinstance(a, torch.Tensor) else a for a in args), grid=grid,
+                             **constexprs)
+    return kernel[grid](*args, **constexprs)
