@@ -120,8 +120,31 @@ def compiling() -> bool:
 
 def launch(kernel, grid: tuple[int, ...], args: Sequence, constexprs: dict) -> object:
     """kernel[grid](*args, **constexprs), or within `compile_only` its compilation alone: a tensor argument is
-    passed as its dtype (Triton then specializes it as a 16-byte aligned pointer, as every launch's tensors are)."""
-    if compiling():
-        return kernel.warmup(*(a.dtype if isinstance(a, torch.Tensor) else a for a in args), grid=grid,
-                             **constexprs)
-    return kernel[grid](*args, **constexprs)
+    passed as its dtype (Triton then specializes it as a 16-byte aligned pointer, as every launch's tensors are).
+    Keys of one wrapper often share a variant (a layer's combine at every token count): each variant compiles once,
+    a second thread asking for it waits for the first instead of compiling it again."""
+    if not compiling():
+        return kernel[grid](*args, **constexprs)
+    args = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)
+    variant = (kernel, tuple(_specialization(a) for a in args), tuple(sorted(constexprs.items())))
+    with _variants_lock:
+        lock = _variant_locks.setdefault(variant, threading.Lock())
+    with lock:
+        if variant not in _variants_compiled:
+            _variants_compiled[variant] = kernel.warmup(*args, grid=grid, **constexprs)
+        return _variants_compiled[variant]
+
+
+_variants_lock = threading.Lock()
+_variant_locks: dict[tuple, threading.Lock] = {}
+_variants_compiled: dict[tuple, object] = {}
+
+
+def _specialization(arg: object) -> Hashable:
+    """What of an argument Triton compiles a variant for (at least): an integer's type and range, whether it is 1
+    (then a constant) and whether 16 divides it; a float's type; anything else (dtypes, None) itself."""
+    if isinstance(arg, bool) or not isinstance(arg, int | float):
+        return arg
+    if isinstance(arg, float):
+        return float
+    return int, arg == 1, arg % 16 == 0, -2 ** 31 <= arg < 2 ** 31
