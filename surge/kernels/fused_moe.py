@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from surge.kernels.moe_routing import AlignLaunch, align_launch, align_to_blocks, max_padded_pairs, triton_int_class
+from surge.kernels.moe_routing import align_launch, align_to_blocks, max_padded_pairs, triton_int_class
 from surge.kernels.reference import EXPERT_ACTIVATIONS
 from surge.kernels.warmup import CompiledKernel, compile_only, compiling
 from surge.kernels.warmup import launch as launch_kernel
@@ -552,14 +552,20 @@ class MoeExperts:
                    "none" if quant is None else quant.method, (FP8_BLOCK, FP8_BLOCK) if quant is None else quant.block,
                    scales)
 
+    def sizes(self) -> tuple[int, int, int]:
+        """(experts, hidden, intermediate): mxfp4 weights hold 32 values in 16 bytes per K block."""
+        per_block = 32 if self.quant == "mxfp4" else 1
+        return self.gate_up[0][0], self.gate_up[0][2] * per_block, self.down[0][2] * per_block
+
 
 @dataclass(frozen=True)
 class MoeKey:
     experts: MoeExperts
     launch: MoeLaunch
-    align: AlignLaunch | None  # the grouped path's
-    # triton_int_class of each kernel argument that follows the token count: tokens, pairs, blocks of pairs, blocks
-    # per alignment program
+    # The grouped path's alignment: one launch or two, and its compile-time tiles (pairs, experts, blocks a step)
+    align: tuple[bool, int, int, int] | None
+    # triton_int_class of each kernel argument that follows the token count: tokens, pairs, blocks of pairs, and
+    # the alignment's pairs per program, programs and blocks per program
     token_classes: tuple[int, ...]
     num_tokens: int = field(default=1, compare=False)  # one token count of the key, for compile
 
@@ -571,17 +577,16 @@ class FusedMoeKernels(CompiledKernel):
 
     def dispatch(self, num_tokens: int, experts: MoeExperts, launch: MoeLaunch | None = None) -> MoeKey:
         """launch: fused_moe's (by default its launch_policy)."""
-        num_experts, two_inter, hidden = experts.gate_up[0][:3]
-        inter = experts.down[0][2] * (32 if experts.quant == "mxfp4" else 1)
-        if experts.quant == "mxfp4":
-            hidden *= 32
+        num_experts, hidden, inter = experts.sizes()
         launch = launch or launch_policy(num_tokens, experts.top_k, num_experts, hidden, inter, experts.quant)
         num_pairs = num_tokens * experts.top_k
         align, classes = None, (triton_int_class(num_tokens), triton_int_class(num_pairs))
         if launch.pairs is None:
-            align = align_launch(num_pairs, num_experts, launch.block_m)
+            a = align_launch(num_pairs, num_experts, launch.block_m)
+            align = (a.num_programs == 1, a.pairs_per_step, a.experts_pad, a.blocks_per_step)
             num_blocks = max_padded_pairs(num_pairs, num_experts, launch.block_m) // launch.block_m
-            classes += (triton_int_class(num_blocks), triton_int_class(triton.cdiv(num_blocks, align.num_programs)))
+            classes += tuple(triton_int_class(v) for v in (num_blocks, a.chunk, a.num_programs,
+                                                           triton.cdiv(num_blocks, a.num_programs)))
         return MoeKey(experts, launch, align, classes, num_tokens)
 
     def compile(self, key: MoeKey) -> object:
@@ -589,13 +594,12 @@ class FusedMoeKernels(CompiledKernel):
         quant = None
         if e.quant != "none":
             quant = MoeQuant(e.quant, *(_meta(s) for s in e.scales), block=e.quant_block)
+        x = torch.empty(t, e.sizes()[1], dtype=e.x_dtype, device="meta")
+        weights = torch.empty(t, e.top_k, dtype=e.topk_weights_dtype, device="meta")
+        ids = torch.empty(t, e.top_k, dtype=e.topk_ids_dtype, device="meta")
         with compile_only():
-            return fused_moe(torch.empty(t, e.gate_up[0][2] * (32 if e.quant == "mxfp4" else 1), dtype=e.x_dtype,
-                                         device="meta"),
-                             _meta(e.gate_up), _meta(e.down), torch.empty(t, e.top_k, dtype=e.topk_weights_dtype,
-                                                                          device="meta"),
-                             torch.empty(t, e.top_k, dtype=e.topk_ids_dtype, device="meta"), key.launch,
-                             e.expert_offset, gate_up_bias=_meta(e.gate_up_bias), down_bias=_meta(e.down_bias),
+            return fused_moe(x, _meta(e.gate_up), _meta(e.down), weights, ids, key.launch, e.expert_offset,
+                             gate_up_bias=_meta(e.gate_up_bias), down_bias=_meta(e.down_bias),
                              activation=e.activation, quant=quant)
 
 
