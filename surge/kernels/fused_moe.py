@@ -27,6 +27,11 @@ gate|up 768 programs of 8 x 256 rows x columns a step (gate and up: 8 KB), 40 re
 of 8 experts x 4 x 256 a step (16 KB), 64 registers; both all resident at once, 6-8 MB in flight, above HBM3e's
 bandwidth-latency product (~5 MB), with 16-byte loads and no shared memory or barrier in their K loops. To be
 confirmed on the H200 by `bench kernels --only moe` (and tuned by `--only moe-sweep`).
+
+Each call dispatches a MoeKey (its layer's shapes, the launch policies at its token count, and how Triton
+specializes the arguments that follow the token count) to FUSED_MOE, a CompiledKernel: the engine's kernel warm-up
+compiles the keys of every CUDA graph's token count beforehand (surge/model/layers/moe.py's moe_kernel_keys), by
+running this same code on meta tensors with each launch compiled instead of run (warmup.compile_only).
 """
 from __future__ import annotations
 
@@ -36,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from surge.kernels.moe_routing import align_launch, align_to_blocks, max_padded_pairs, triton_int_class
+from surge.kernels.moe_routing import align_launch, align_to_blocks, max_padded_pairs
 from surge.kernels.reference import EXPERT_ACTIVATIONS
-from surge.kernels.warmup import CompiledKernel, compile_only, compiling
+from surge.kernels.warmup import CompiledKernel, compile_only, compiling, triton_int_class
 from surge.kernels.warmup import launch as launch_kernel
 
 # Rows of a block: tl.dot needs at least 16; more than 64 with two accumulators (gate and up) spills registers.
@@ -507,7 +512,6 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     return grouped_experts(x, gate_up, down, topk_weights, topk_ids, sorted_ids, block_expert, launch, expert_offset,
                            gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
                            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, quant=quant)
-
 
 
 Layout = tuple[tuple[int, ...], torch.dtype]  # a tensor's shape and dtype (the kernels take them contiguous)

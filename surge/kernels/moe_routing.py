@@ -5,7 +5,8 @@ Both replace chains of small torch ops (topk's sorts, cumsum, searchsorted, scat
 expert GEMMs at batch 1. Decode-sized batches skip the alignment altogether: fused_moe's pair path reads the router's
 ids and weights as they are, so a decode step routes in this one router launch. Static shapes, no host sync: a CUDA
 graph replays any routing. Their definitions are the torch code in surge/model/layers/moe.py (select_experts) and
-surge/kernels/reference.py (align_to_blocks).
+surge/kernels/reference.py (align_to_blocks). The router's variants are ROUTER's keys (a CompiledKernel); the
+alignment's are part of fused_moe's (FUSED_MOE), both compiled by the engine's kernel warm-up.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from surge.kernels.warmup import CompiledKernel, compile_only
+from surge.kernels.warmup import CompiledKernel, compile_only, triton_int_class
 from surge.kernels.warmup import launch as launch_kernel
 
 # Elements of a [pairs, experts] one-hot tile (and of a [blocks, experts] comparison): about 64 int32 per thread of
@@ -96,12 +97,6 @@ def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, st
     ok = row_ok[:, None] & (slots[None, :] < TOP_K)
     tl.store(weights_ptr + out, top_probs.to(weights_ptr.dtype.element_ty), mask=ok)
     tl.store(ids_ptr + out, top_ids, mask=ok)
-
-
-def triton_int_class(value: int) -> int:
-    """How Triton specializes an integer argument's value (beyond i32 / i64): 1 (a constant), a multiple of 16, or
-    neither (0). Keys hold this for every argument that depends on the token count."""
-    return 1 if value == 1 else 16 if value % 16 == 0 else 0
 
 
 @dataclass(frozen=True)

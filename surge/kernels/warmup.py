@@ -140,11 +140,17 @@ _variant_locks: dict[tuple, threading.Lock] = {}
 _variants_compiled: dict[tuple, object] = {}
 
 
+def triton_int_class(value: int) -> int:
+    """How Triton specializes an integer argument's value (beyond i32 / i64): 1 (a constant), a multiple of 16, or
+    neither (0). A key holds this for each argument that follows the token count."""
+    return 1 if value == 1 else 16 if value % 16 == 0 else 0
+
+
 def _specialization(arg: object) -> Hashable:
-    """What of an argument Triton compiles a variant for (at least): an integer's type and range, whether it is 1
-    (then a constant) and whether 16 divides it; a float's type; anything else (dtypes, None) itself."""
+    """What of an argument Triton compiles a variant for (at least): an integer's class and range (i32 or i64), a
+    float's type; anything else (dtypes, None) itself."""
     if isinstance(arg, bool) or not isinstance(arg, int | float):
         return arg
     if isinstance(arg, float):
         return float
-    return int, arg == 1, arg % 16 == 0, -2 ** 31 <= arg < 2 ** 31
+    return int, triton_int_class(arg), -2 ** 31 <= arg < 2 ** 31
