@@ -27,17 +27,24 @@ gate|up 768 programs of 8 x 256 rows x columns a step (gate and up: 8 KB), 40 re
 of 8 experts x 4 x 256 a step (16 KB), 64 registers; both all resident at once, 6-8 MB in flight, above HBM3e's
 bandwidth-latency product (~5 MB), with 16-byte loads and no shared memory or barrier in their K loops. To be
 confirmed on the H200 by `bench kernels --only moe` (and tuned by `--only moe-sweep`).
+
+Each call dispatches a MoeKey (its layer's shapes, the launch policies at its token count, and how Triton
+specializes the arguments that follow the token count) to FUSED_MOE, a CompiledKernel: the engine's kernel warm-up
+compiles the keys of every CUDA graph's token count beforehand (surge/model/layers/moe.py's moe_kernel_keys), by
+running this same code on meta tensors with each launch compiled instead of run (warmup.compile_only).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from surge.kernels.moe_routing import align_to_blocks
+from surge.kernels.moe_routing import align_launch, align_to_blocks, max_padded_pairs
 from surge.kernels.reference import EXPERT_ACTIVATIONS
+from surge.kernels.warmup import CompiledKernel, compile_only, compiling, triton_int_class
+from surge.kernels.warmup import launch as launch_kernel
 
 # Rows of a block: tl.dot needs at least 16; more than 64 with two accumulators (gate and up) spills registers.
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
@@ -491,9 +498,13 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
         return torch.zeros_like(x)
     launch = launch or launch_policy(num_tokens, top_k, num_experts, hidden, inter,
                                      "none" if quant is None else quant.method)
+    if launch.pairs is not None and quant is not None:
+        raise ValueError(f"launch={launch} takes the pair path, which has no {quant.method} variant")
+    if not compiling():  # (FusedMoeKernels.compile runs this function on meta tensors)
+        FUSED_MOE.ensure(FUSED_MOE.dispatch(num_tokens, MoeExperts.of(
+            x, gate_up, down, topk_weights, topk_ids, expert_offset, gate_up_bias, down_bias, activation, quant),
+            launch))
     if launch.pairs is not None:
-        if quant is not None:
-            raise ValueError(f"launch={launch} takes the pair path, which has no {quant.method} variant")
         return pair_experts(x, gate_up, down, topk_weights, topk_ids, launch.pairs, expert_offset,
                             gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
                             swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
@@ -503,6 +514,102 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
                            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, quant=quant)
 
 
+Layout = tuple[tuple[int, ...], torch.dtype]  # a tensor's shape and dtype (the kernels take them contiguous)
+
+
+def _layout(t: torch.Tensor | None) -> Layout | None:
+    return None if t is None else (tuple(t.shape), t.dtype)
+
+
+def _meta(layout: Layout | None) -> torch.Tensor | None:
+    return None if layout is None else torch.empty(layout[0], dtype=layout[1], device="meta")
+
+
+@dataclass(frozen=True)
+class MoeExperts:
+    """What of one layer's fused_moe call, besides the token count, decides its kernel variants: the tensors'
+    shapes and dtypes (a layer's constants), the activation, the quantization and this rank's first expert."""
+    x_dtype: torch.dtype
+    topk_weights_dtype: torch.dtype
+    topk_ids_dtype: torch.dtype  # int32 from the router kernel, int64 from torch.topk
+    top_k: int
+    gate_up: Layout
+    down: Layout
+    gate_up_bias: Layout | None = None
+    down_bias: Layout | None = None
+    activation: str = "silu"
+    expert_offset: int = 0
+    quant: str = "none"
+    quant_block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)
+    scales: tuple[Layout | None, ...] = ()  # MoeQuant's gate_up_scale, down_scale and input scales
+
+    @classmethod
+    def of(cls, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor, expert_offset: int = 0, gate_up_bias: torch.Tensor | None = None,
+           down_bias: torch.Tensor | None = None, activation: str = "silu",
+           quant: MoeQuant | None = None) -> MoeExperts:
+        """fused_moe's arguments' (x and the routing only for their dtypes and top_k)."""
+        scales = () if quant is None else tuple(_layout(t) for t in (
+            quant.gate_up_scale, quant.down_scale, quant.gate_up_input_scale, quant.down_input_scale))
+        return cls(x.dtype, topk_weights.dtype, topk_ids.dtype, topk_ids.shape[-1], _layout(gate_up), _layout(down),
+                   _layout(gate_up_bias), _layout(down_bias), activation, expert_offset,
+                   "none" if quant is None else quant.method, (FP8_BLOCK, FP8_BLOCK) if quant is None else quant.block,
+                   scales)
+
+    def sizes(self) -> tuple[int, int, int]:
+        """(experts, hidden, intermediate): mxfp4 weights hold 32 values in 16 bytes per K block."""
+        per_block = 32 if self.quant == "mxfp4" else 1
+        return self.gate_up[0][0], self.gate_up[0][2] * per_block, self.down[0][2] * per_block
+
+
+@dataclass(frozen=True)
+class MoeKey:
+    experts: MoeExperts
+    launch: MoeLaunch
+    # The grouped path's alignment: one launch or two, and its compile-time tiles (pairs, experts, blocks a step)
+    align: tuple[bool, int, int, int] | None
+    # triton_int_class of each kernel argument that follows the token count: tokens, pairs, blocks of pairs, and
+    # the alignment's pairs per program, programs and blocks per program
+    token_classes: tuple[int, ...]
+    num_tokens: int = field(default=1, compare=False)  # one token count of the key, for compile
+
+
+class FusedMoeKernels(CompiledKernel):
+    """fused_moe's variants, routing's alignment included (one wrapper per process: FUSED_MOE). A key covers one
+    layer's launches at one token count; compile runs fused_moe itself on meta tensors, compiling each launch."""
+    parallel_compile = True
+
+    def dispatch(self, num_tokens: int, experts: MoeExperts, launch: MoeLaunch | None = None) -> MoeKey:
+        """launch: fused_moe's (by default its launch_policy)."""
+        num_experts, hidden, inter = experts.sizes()
+        launch = launch or launch_policy(num_tokens, experts.top_k, num_experts, hidden, inter, experts.quant)
+        num_pairs = num_tokens * experts.top_k
+        align, classes = None, (triton_int_class(num_tokens), triton_int_class(num_pairs))
+        if launch.pairs is None:
+            a = align_launch(num_pairs, num_experts, launch.block_m)
+            align = (a.num_programs == 1, a.pairs_per_step, a.experts_pad, a.blocks_per_step)
+            num_blocks = max_padded_pairs(num_pairs, num_experts, launch.block_m) // launch.block_m
+            classes += tuple(triton_int_class(v) for v in (num_blocks, a.chunk, a.num_programs,
+                                                           triton.cdiv(num_blocks, a.num_programs)))
+        return MoeKey(experts, launch, align, classes, num_tokens)
+
+    def compile(self, key: MoeKey) -> object:
+        e, t = key.experts, key.num_tokens
+        quant = None
+        if e.quant != "none":
+            quant = MoeQuant(e.quant, *(_meta(s) for s in e.scales), block=e.quant_block)
+        x = torch.empty(t, e.sizes()[1], dtype=e.x_dtype, device="meta")
+        weights = torch.empty(t, e.top_k, dtype=e.topk_weights_dtype, device="meta")
+        ids = torch.empty(t, e.top_k, dtype=e.topk_ids_dtype, device="meta")
+        with compile_only():
+            return fused_moe(x, _meta(e.gate_up), _meta(e.down), weights, ids, key.launch, e.expert_offset,
+                             gate_up_bias=_meta(e.gate_up_bias), down_bias=_meta(e.down_bias),
+                             activation=e.activation, quant=quant)
+
+
+FUSED_MOE = FusedMoeKernels()
+
+
 def _quantize_rows(a: torch.Tensor, method: str, static_scale: torch.Tensor | None, group: int
                    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """A GEMM's fp8 input: (q, scales, the scales' row stride, their K-group stride); fp8_block: groups of `group`
@@ -510,6 +617,15 @@ def _quantize_rows(a: torch.Tensor, method: str, static_scale: torch.Tensor | No
     from surge.kernels.fp8_quant import (per_token_group_quant_fp8, scaled_fp8_quant_per_tensor,
                                          scaled_fp8_quant_per_token)
 
+    if compiling():  # FusedMoeKernels.compile, on meta tensors: the quantization kernels' outputs' layouts alone
+        q = torch.empty(a.shape, dtype=torch.float8_e4m3fn, device=a.device)
+        if method == "fp8_block":
+            scale = torch.empty(triton.cdiv(a.shape[1], group), a.shape[0], device=a.device).t()
+            return q, scale, scale.stride(0), scale.stride(1)
+        if static_scale is not None:
+            return q, static_scale.reshape(1), 0, 0
+        scale = torch.empty(a.shape[0], 1, device=a.device)
+        return q, scale, scale.stride(0), 0
     if method == "fp8_block":
         q, scale = per_token_group_quant_fp8(a, group)
         return q, scale, scale.stride(0), scale.stride(1)
@@ -585,12 +701,13 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     gate_up_b = gate_up if gate_up_bias is None else gate_up_bias.contiguous()
     up_scale_row = gate_up_scale.shape[1] // 2 if method == "fp8_block" else 0
     scale_row_stride = gate_up_scale.stride(1) if gate_up_scale.shape[1] > 1 else 0  # [E, 1]: one per expert
-    _gate_up_act_kernel[(num_blocks * triton.cdiv(inter, t.block_n),)](
+    launch_kernel(_gate_up_act_kernel, (num_blocks * triton.cdiv(inter, t.block_n),), (
         a, a_scale, gate_up, gate_up_scale, gate_up_b, act, sorted_ids, block_expert, num_pairs, inter, hidden,
         a.stride(0), stride_asm, stride_ask, gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
-        scale_row_stride, up_scale_row, gate_up_b.stride(0), act.stride(0), float(swiglu_alpha), float(swiglu_limit),
-        TOP_K=top_k, BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=gate_up_bias is not None,
-        ACTIVATION=activation, num_warps=t.num_warps, num_stages=t.num_stages, **constants)
+        scale_row_stride, up_scale_row, gate_up_b.stride(0), act.stride(0), float(swiglu_alpha), float(swiglu_limit)),
+        dict(TOP_K=top_k, BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+             HAS_BIAS=gate_up_bias is not None, ACTIVATION=activation, num_warps=t.num_warps,
+             num_stages=t.num_stages, **constants))
 
     a, a_scale, stride_asm, stride_ask = act, act, 0, 0
     if method in ("fp8_block", "fp8_channel"):
@@ -599,16 +716,17 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     t = launch.down
     down_b = down if down_bias is None else down_bias.contiguous()
     scale_row_stride = down_scale.stride(1) if down_scale.shape[1] > 1 else 0
-    _down_weighted_kernel[(num_blocks * triton.cdiv(hidden, t.block_n),)](
+    launch_kernel(_down_weighted_kernel, (num_blocks * triton.cdiv(hidden, t.block_n),), (
         a, a_scale, down, down_scale, down_b, rows, sorted_ids, block_expert, topk_weights.contiguous(), num_pairs,
         hidden, inter, a.stride(0), stride_asm, stride_ask, down.stride(0), down.stride(1), down_scale.stride(0),
-        scale_row_stride, down_b.stride(0), rows.stride(0),
-        BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=down_bias is not None,
-        num_warps=t.num_warps, num_stages=t.num_stages, **constants)
+        scale_row_stride, down_b.stride(0), rows.stride(0)),
+        dict(BLOCK_M=launch.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=down_bias is not None,
+             num_warps=t.num_warps, num_stages=t.num_stages, **constants))
     out = torch.empty_like(x)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    _combine_kernel[(num_tokens, triton.cdiv(hidden, launch.combine_block))](
-        rows, ids, out, hidden, expert_offset, num_experts, TOP_K=top_k, BLOCK_H=launch.combine_block, num_warps=4)
+    launch_kernel(_combine_kernel, (num_tokens, triton.cdiv(hidden, launch.combine_block)),
+                  (rows, ids, out, hidden, expert_offset, num_experts),
+                  dict(TOP_K=top_k, BLOCK_H=launch.combine_block, num_warps=4))
     return out
 
 
@@ -626,17 +744,17 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     t = launch.gate_up
     gate_up_b = gate_up if gate_up_bias is None else gate_up_bias.contiguous()  # unused pointer without a bias
-    _pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, t.block_n))](
+    launch_kernel(_pair_gate_up_kernel, (num_tokens * top_k, triton.cdiv(inter, t.block_n)), (
         x, gate_up, gate_up_b, act, ids, expert_offset, num_experts, inter, hidden, x.stride(0), gate_up.stride(0),
-        gate_up.stride(1), gate_up_b.stride(0), act.stride(0), float(swiglu_alpha), float(swiglu_limit),
-        TOP_K=top_k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=gate_up_bias is not None, ACTIVATION=activation,
-        NUM_STAGES=t.num_stages, num_warps=t.num_warps)
+        gate_up.stride(1), gate_up_b.stride(0), act.stride(0), float(swiglu_alpha), float(swiglu_limit)),
+        dict(TOP_K=top_k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=gate_up_bias is not None,
+             ACTIVATION=activation, NUM_STAGES=t.num_stages, num_warps=t.num_warps))
     out = torch.empty_like(x)
     t = launch.down
     down_b = down if down_bias is None else down_bias.contiguous()
-    _token_down_kernel[(num_tokens, triton.cdiv(hidden, t.block_n))](
+    launch_kernel(_token_down_kernel, (num_tokens, triton.cdiv(hidden, t.block_n)), (
         act, down, down_b, topk_weights.contiguous(), ids, out, expert_offset, num_experts, hidden, inter,
-        act.stride(0), down.stride(0), down.stride(1), down_b.stride(0), out.stride(0), TOP_K=top_k,
-        TOP_K_PAD=triton.next_power_of_2(top_k), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        HAS_BIAS=down_bias is not None, NUM_STAGES=t.num_stages, num_warps=t.num_warps)
+        act.stride(0), down.stride(0), down.stride(1), down_b.stride(0), out.stride(0)),
+        dict(TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+             HAS_BIAS=down_bias is not None, NUM_STAGES=t.num_stages, num_warps=t.num_warps))
     return out

@@ -5,15 +5,19 @@ Both replace chains of small torch ops (topk's sorts, cumsum, searchsorted, scat
 expert GEMMs at batch 1. Decode-sized batches skip the alignment altogether: fused_moe's pair path reads the router's
 ids and weights as they are, so a decode step routes in this one router launch. Static shapes, no host sync: a CUDA
 graph replays any routing. Their definitions are the torch code in surge/model/layers/moe.py (select_experts) and
-surge/kernels/reference.py (align_to_blocks).
+surge/kernels/reference.py (align_to_blocks). The router's variants are ROUTER's keys (a CompiledKernel); the
+alignment's are part of fused_moe's (FUSED_MOE), both compiled by the engine's kernel warm-up.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
+
+from surge.kernels.warmup import CompiledKernel, compile_only, triton_int_class
+from surge.kernels.warmup import launch as launch_kernel
 
 # Elements of a [pairs, experts] one-hot tile (and of a [blocks, experts] comparison): about 64 int32 per thread of
 # four warps, so the tiles stay in registers.
@@ -95,6 +99,42 @@ def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, st
     tl.store(ids_ptr + out, top_ids, mask=ok)
 
 
+@dataclass(frozen=True)
+class RouterKey:
+    logits_dtype: torch.dtype
+    weights_dtype: torch.dtype
+    num_experts: int
+    top_k: int
+    logits_stride: int  # the logits' row stride (a layer's constant)
+    renormalize: bool
+    softmax_after_topk: bool
+    uniform_weights: bool
+    launch: RouterLaunch
+    tokens_class: int  # triton_int_class(num_tokens)
+    num_tokens: int = field(default=1, compare=False)  # one token count of the class, for compile
+
+
+class MoeRouter(CompiledKernel):
+    """The router kernel's variants (one wrapper per process: ROUTER)."""
+    parallel_compile = True
+
+    def dispatch(self, *, num_tokens: int, num_experts: int, top_k: int, logits_dtype: torch.dtype,
+                 weights_dtype: torch.dtype, renormalize: bool, softmax_after_topk: bool = False,
+                 uniform_weights: bool = False, logits_stride: int | None = None) -> RouterKey:
+        return RouterKey(logits_dtype, weights_dtype, num_experts, top_k,
+                         num_experts if logits_stride is None else logits_stride, renormalize, softmax_after_topk,
+                         uniform_weights, router_launch(num_tokens, num_experts, top_k),
+                         triton_int_class(num_tokens), num_tokens)
+
+    def compile(self, key: RouterKey) -> object:
+        logits = torch.empty(key.num_tokens, key.logits_stride, dtype=key.logits_dtype, device="meta")
+        with compile_only():
+            return _route(key, logits[:, :key.num_experts])
+
+
+ROUTER = MoeRouter()
+
+
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype,
           softmax_after_topk: bool = False, uniform_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in dtype, expert ids [T, k] int32, in descending order of weight): select_experts in one
@@ -102,18 +142,29 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: tor
     where exp rounds two different logits to one probability, the larger logit wins), equal logits to the lowest id.
     uniform_weights: weights 1 / k (the routing simulation's, on random scores; renormalize is then moot)."""
     num_tokens, num_experts = router_logits.shape
-    weights = torch.empty(num_tokens, top_k, dtype=dtype, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if num_tokens == 0:
-        return weights, ids
+        return (torch.empty(0, top_k, dtype=dtype, device=router_logits.device),
+                torch.empty(0, top_k, dtype=torch.int32, device=router_logits.device))
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
-    launch = router_launch(num_tokens, num_experts, top_k)
-    _router_kernel[(triton.cdiv(num_tokens, launch.rows),)](
-        router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
-        TOP_K=top_k, RENORMALIZE=renormalize, ROWS=launch.rows, EXPERTS_PAD=launch.experts_pad,
-        TOP_K_PAD=launch.top_k_pad, SOFTMAX_AFTER_TOPK=softmax_after_topk, UNIFORM_WEIGHTS=uniform_weights,
-        num_warps=launch.num_warps)
+    key = ROUTER.dispatch(num_tokens=num_tokens, num_experts=num_experts, top_k=top_k,
+                          logits_dtype=router_logits.dtype, weights_dtype=dtype, renormalize=renormalize,
+                          softmax_after_topk=softmax_after_topk, uniform_weights=uniform_weights,
+                          logits_stride=router_logits.stride(0))
+    ROUTER.ensure(key)
+    return _route(key, router_logits)
+
+
+def _route(key: RouterKey, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, top_k, device = router_logits.shape[0], key.top_k, router_logits.device
+    weights = torch.empty(num_tokens, top_k, dtype=key.weights_dtype, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    rl = key.launch
+    launch_kernel(_router_kernel, (triton.cdiv(num_tokens, rl.rows),),
+                  (router_logits, weights, ids, num_tokens, key.num_experts, router_logits.stride(0)),
+                  dict(TOP_K=top_k, RENORMALIZE=key.renormalize, ROWS=rl.rows, EXPERTS_PAD=rl.experts_pad,
+                       TOP_K_PAD=rl.top_k_pad, SOFTMAX_AFTER_TOPK=key.softmax_after_topk,
+                       UNIFORM_WEIGHTS=key.uniform_weights, num_warps=rl.num_warps))
     return weights, ids
 
 
@@ -272,18 +323,19 @@ def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int, expe
     num_blocks = padded_rows // block_m
     sorted_ids = torch.empty(padded_rows, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    launch = launch or align_launch(max(num_pairs, 1), num_experts, block_m)
-    common = {"BLOCK_M": block_m, "PER_STEP": launch.pairs_per_step, "EXPERTS_PAD": launch.experts_pad}
-    if launch.num_programs == 1:
-        _align_one_program_kernel[(1,)](ids, sorted_ids, block_expert, num_pairs, expert_offset, num_experts,
-                                        num_blocks, BLOCKS=launch.blocks_per_step, **common, num_warps=4)
+    align = launch or align_launch(max(num_pairs, 1), num_experts, block_m)
+    common = {"BLOCK_M": block_m, "PER_STEP": align.pairs_per_step, "EXPERTS_PAD": align.experts_pad}
+    if align.num_programs == 1:
+        launch_kernel(_align_one_program_kernel, (1,),
+                      (ids, sorted_ids, block_expert, num_pairs, expert_offset, num_experts, num_blocks),
+                      dict(BLOCKS=align.blocks_per_step, **common, num_warps=4))
         return sorted_ids, block_expert
-    counts = torch.empty(launch.num_programs, launch.experts_pad, dtype=torch.int32, device=device)
-    _align_count_kernel[(launch.num_programs,)](ids, counts, num_pairs, expert_offset, num_experts, launch.chunk,
-                                                PER_STEP=launch.pairs_per_step, EXPERTS_PAD=launch.experts_pad,
-                                                num_warps=4)
-    _align_place_kernel[(launch.num_programs,)](
-        ids, counts, sorted_ids, block_expert, num_pairs, expert_offset, num_experts, launch.num_programs,
-        launch.chunk, num_blocks, triton.cdiv(num_blocks, launch.num_programs), BLOCKS=launch.blocks_per_step,
-        **common, num_warps=4)
+    counts = torch.empty(align.num_programs, align.experts_pad, dtype=torch.int32, device=device)
+    launch_kernel(_align_count_kernel, (align.num_programs,),
+                  (ids, counts, num_pairs, expert_offset, num_experts, align.chunk),
+                  dict(PER_STEP=align.pairs_per_step, EXPERTS_PAD=align.experts_pad, num_warps=4))
+    launch_kernel(_align_place_kernel, (align.num_programs,),
+                  (ids, counts, sorted_ids, block_expert, num_pairs, expert_offset, num_experts, align.num_programs,
+                   align.chunk, num_blocks, triton.cdiv(num_blocks, align.num_programs)),
+                  dict(BLOCKS=align.blocks_per_step, **common, num_warps=4))
     return sorted_ids, block_expert

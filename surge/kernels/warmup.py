@@ -8,9 +8,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import ClassVar
+
+import torch
 
 from surge.logger import init_logger
 
@@ -94,3 +97,60 @@ def write_back(cache: dict, keys: Sequence[Hashable], results: Sequence[tuple[Ha
             raise RuntimeError(f"compile result for {result_key!r} came back in the slot of {key!r}")
         pairs.append((key, artifact))
     cache.update(pairs)
+
+
+_compile_only = threading.local()
+
+
+@contextmanager
+def compile_only() -> Iterator[None]:
+    """Within (on this thread): `launch` compiles each kernel variant instead of running it, so that a wrapper's
+    `compile` can run its real launch code, on meta tensors (only their dtypes, shapes and strides are read), and
+    cannot drift from it."""
+    _compile_only.on = True
+    try:
+        yield
+    finally:
+        _compile_only.on = False
+
+
+def compiling() -> bool:
+    return getattr(_compile_only, "on", False)
+
+
+def launch(kernel, grid: tuple[int, ...], args: Sequence, constexprs: dict) -> object:
+    """kernel[grid](*args, **constexprs), or within `compile_only` its compilation alone: a tensor argument is
+    passed as its dtype (Triton then specializes it as a 16-byte aligned pointer, as every launch's tensors are).
+    Keys of one wrapper often share a variant (a layer's combine at every token count): each variant compiles once,
+    a second thread asking for it waits for the first instead of compiling it again."""
+    if not compiling():
+        return kernel[grid](*args, **constexprs)
+    args = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)
+    variant = (kernel, tuple(_specialization(a) for a in args), tuple(sorted(constexprs.items())))
+    with _variants_lock:
+        lock = _variant_locks.setdefault(variant, threading.Lock())
+    with lock:
+        if variant not in _variants_compiled:
+            _variants_compiled[variant] = kernel.warmup(*args, grid=grid, **constexprs)
+        return _variants_compiled[variant]
+
+
+_variants_lock = threading.Lock()
+_variant_locks: dict[tuple, threading.Lock] = {}
+_variants_compiled: dict[tuple, object] = {}
+
+
+def triton_int_class(value: int) -> int:
+    """How Triton specializes an integer argument's value (beyond i32 / i64): 1 (a constant), a multiple of 16, or
+    neither (0). A key holds this for each argument that follows the token count."""
+    return 1 if value == 1 else 16 if value % 16 == 0 else 0
+
+
+def _specialization(arg: object) -> Hashable:
+    """What of an argument Triton compiles a variant for (at least): an integer's class and range (i32 or i64), a
+    float's type; anything else (dtypes, None) itself."""
+    if isinstance(arg, bool) or not isinstance(arg, int | float):
+        return arg
+    if isinstance(arg, float):
+        return float
+    return int, triton_int_class(arg), -2 ** 31 <= arg < 2 ** 31

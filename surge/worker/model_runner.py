@@ -31,9 +31,10 @@ from surge.kv_transfer.base import KVConnectorRole
 from surge.kv_transfer.factory import create_connector
 from surge.lora.manager import LoRAManager
 from surge.logger import init_logger
+from surge.model.layers.moe import warm_up_moe_kernels
 from surge.model.layers.sampler import Sampler, SamplingRow, compute_token_logprobs, device_tensor
 from surge.model.loader.base import build_model, load_model
-from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes
+from surge.worker.cuda_graph import CUDAGraphRunner, capture_sizes, mixed_capture_sizes
 from surge.worker.request_state import CachedRequestState, RequestStates
 from surge.worker.draft_model import DraftModel
 from surge.worker.mtp_draft import MTPDraft
@@ -224,6 +225,8 @@ class ModelRunner:
         compiled = self.backend.warm_up(self.device, distinct_attention_params(self.model), cc.block_size, mc.dtype, sizes,
                                         sc.max_num_seqs, self.config.warmup_workers, cc.cache_dtype(mc.dtype))
         compiled += self.model.warm_up_kernels(self.backend, self.device, cc.block_size, self.config.warmup_workers)
+        if self.device.type == "cuda":  # MoE layers: their kernels at every graph's token count
+            compiled += warm_up_moe_kernels(self.model, self.moe_warm_up_tokens(), self.config.warmup_workers)
         seconds = time.perf_counter() - start
         if compiled:
             logger.info("kernel warm-up: %d attention (and model) kernel variant(s) compiled in %.2f s with up to %d "
@@ -241,6 +244,14 @@ class ModelRunner:
             self.inputs.warm_up_ahead(spec.num_speculative_tokens)
             seconds += time.perf_counter() - start
         return seconds
+
+    def moe_warm_up_tokens(self) -> list[int]:
+        """The token counts the MoE kernels are compiled for: the CUDA graphs' (decode batches, mixed steps); an
+        eager step of another count may still compile its variant as it launches."""
+        if self.config.enforce_eager or not self.graph_safe:
+            return []
+        sc = self.config.scheduler_config
+        return sorted(set(capture_sizes(sc.max_num_seqs)) | set(mixed_capture_sizes(self.inputs.input_ids.shape[0])))
 
     def _size_kv_cache(self) -> KVCacheConfig:
         mc, cc = self.config.model_config, self.config.cache_config

@@ -128,3 +128,51 @@ def test_fused_moe_quantized_variants_compile_for_sm90():
         run(torch.randn(t, h, dtype=bf16), *blocks, MoeQuant("mxfp4", *scales))
         """)
     assert compiled.count("_gate_up_act_kernel") == 8 and compiled.count("_down_weighted_kernel") == 8
+
+
+def test_moe_warm_up_compiles_for_sm90_what_the_launches_then_find_compiled():
+    """The MoE warm-up's compile (fused_moe and the router run on meta tensors, each launch compiled alone) builds
+    real sm_90 variants, and afterwards the launches at its token counts (on CPU tensors) compile no MoE kernel:
+    Triton's own cache finds each. Unquantized (the pair path at 1 token, the grouped one beyond, the alignment in
+    one launch and in two) and fp8_block (its activation scales' strides follow the token count)."""
+    compiled = _compile_in_subprocess("""
+        from triton.runtime.jit import JITFunction
+
+        from surge.kernels.fused_moe import FUSED_MOE, MoeExperts, MoeQuant, fused_moe
+        from surge.kernels.moe_routing import ROUTER, route
+
+        misses = []
+        _do_compile = JITFunction._do_compile
+
+        def counted(self, *args, **kwargs):
+            misses.append(self.__name__)
+            return _do_compile(self, *args, **kwargs)
+
+        JITFunction._do_compile = counted
+        bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+        e, k, h, i = 8, 2, 256, 128
+        dense = torch.randn(e, 2 * i, h, dtype=bf16), torch.randn(e, h, i, dtype=bf16)
+        quant = MoeQuant("fp8_block", torch.ones(e, 2, 2), torch.ones(e, 2, 1))
+        fp8_weights = torch.zeros(e, 2 * i, h, dtype=fp8), torch.zeros(e, h, i, dtype=fp8)
+        cases = [(t, dense, None) for t in (1, 3, 16, 2500)] + [(t, fp8_weights, quant) for t in (3, 16)]
+
+        def meta(*shape, dtype=bf16):
+            return torch.empty(*shape, dtype=dtype, device="meta")
+
+        ROUTER.compile_many([ROUTER.dispatch(num_tokens=t, num_experts=e, top_k=k, logits_dtype=bf16,
+                                             weights_dtype=bf16, renormalize=True) for t, _, _ in cases])
+        FUSED_MOE.compile_many([FUSED_MOE.dispatch(t, MoeExperts.of(
+            meta(t, h), *w, meta(t, k), meta(t, k, dtype=torch.int32), quant=q)) for t, w, q in cases])
+        warm = len(misses)
+        assert {"_router_kernel", "_pair_gate_up_kernel", "_token_down_kernel", "_align_one_program_kernel",
+                "_align_count_kernel", "_align_place_kernel", "_gate_up_act_kernel", "_down_weighted_kernel",
+                "_combine_kernel"} <= set(misses), misses
+        for t, w, q in cases:
+            weights, ids = route(torch.randn(t, e, dtype=bf16), k, True, bf16)
+            fused_moe(torch.randn(t, h, dtype=bf16), *w, weights, ids, quant=q)
+        moe = [name for name in misses[warm:] if name not in ("_per_group_kernel",)]
+        compiled.clear()
+        compiled.extend(["WARM", str(warm)] + moe)
+        """)
+    assert compiled[:1] == ["WARM"] and int(compiled[1]) >= 10, compiled
+    assert compiled[2:] == [], f"compiled at launch despite the warm-up: {compiled[2:]}"

@@ -293,3 +293,46 @@ class SparseMoeBlock(nn.Module):
             weights, ids = select_experts(logits, self.top_k, self.norm_topk_prob, x.dtype,
                                           softmax_after_topk=self.softmax_after_topk)
         return get_tp_group().all_reduce(self.experts(x, weights, ids))
+
+
+def moe_kernel_keys(model: nn.Module, token_counts: list[int]) -> dict[object, list]:
+    """The MoE kernels' launch keys (wrapper -> keys) for every expert block of `model` (a module with `experts`, a
+    FusedMoE, and `top_k`) at each token count: its router (where it routes with the kernel: SparseMoeBlock's
+    softmax routing, or the uniform routing simulation) and its fused experts, as the CUDA path dispatches them
+    (int32 ids from the router kernel, int64 from torch's top-k). Computed from shapes alone: no GPU needed."""
+    from surge.kernels.fused_moe import FUSED_MOE, MoeExperts
+    from surge.kernels.moe_routing import ROUTER
+
+    keys: dict[object, list] = {ROUTER: [], FUSED_MOE: []}
+    for block in model.modules():
+        experts = getattr(block, "experts", None)
+        if not isinstance(experts, FusedMoE) or not hasattr(block, "top_k"):
+            continue
+        dtype, top_k, num_experts = experts.params_dtype, block.top_k, experts.num_experts
+        simulated = getattr(block, "routing_simulation", None) == "uniform_random"
+        router = simulated or isinstance(block, SparseMoeBlock)
+        method = experts.quant_method
+        if method.kernel_takes(dtype):
+            gate_up, down, quant = method.kernel_weights(experts)
+        else:
+            (gate_up, down), quant = method.cached_dense_weights(experts), None
+        for t in token_counts:
+            if router:
+                keys[ROUTER].append(ROUTER.dispatch(
+                    num_tokens=t, num_experts=num_experts, top_k=top_k, weights_dtype=dtype,
+                    logits_dtype=torch.float32 if simulated else dtype,  # the simulation routes torch.rand's
+                    renormalize=not simulated and block.norm_topk_prob,
+                    softmax_after_topk=not simulated and block.softmax_after_topk, uniform_weights=simulated))
+            x = torch.empty(t, experts.hidden, dtype=dtype, device="meta")
+            ids = torch.empty(t, top_k, dtype=torch.int32 if router else torch.int64, device="meta")
+            keys[FUSED_MOE].append(FUSED_MOE.dispatch(t, MoeExperts.of(
+                x, gate_up, down, torch.empty(t, top_k, dtype=dtype, device="meta"), ids, experts.expert_start,
+                experts.gate_up_proj_bias, experts.down_proj_bias, experts.activation, quant)))
+    return keys
+
+
+def warm_up_moe_kernels(model: nn.Module, token_counts: list[int], max_workers: int) -> int:
+    """Compile moe_kernel_keys' variants (the kernel warm-up's share for MoE models; CUDA only); returns how many
+    were compiled."""
+    return sum(kernel.compile_many(keys, max_workers=max_workers)
+               for kernel, keys in moe_kernel_keys(model, token_counts).items() if keys)
