@@ -6,12 +6,7 @@ transfer supplies every other); instances killed mid-way give an error event or 
 and the proxy serves again once an instance is back."""
 from __future__ import annotations
 
-import concurrent.futures
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from unittest import mock
 
@@ -19,7 +14,8 @@ import httpx
 import openai
 import pytest
 import remote_server
-from remote_server import RemoteServer, child_pids, free_port
+from remote_server import RemoteServer
+from serving_cluster import ProxyProcess, kill, start_side_by_side, stop_cluster
 
 MODEL = "SmolLM2-135M-Instruct"
 SERVE = ("--max-model-len", "2048", "--kv-cache-memory", str(256 << 20))
@@ -40,67 +36,17 @@ def start_prefill(port: int | None = None) -> RemoteServer:
         return RemoteServer(None, *args)
 
 
-def kill(server: RemoteServer) -> None:
-    """SIGKILL the server and its engine core: an instance that dies, not one that shuts down."""
-    pids = [server.proc.pid, *child_pids(server.proc.pid)]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    server.proc.wait(10)
-
-
-class ProxyProcess:
-    def __init__(self, prefill: str, decode: str) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = self.url.rsplit(":", 1)[1]
-        self.proc = subprocess.Popen([sys.executable, "-m", "surge.entrypoints.cli.main", "proxy", "--prefill",
-                                      prefill, "--decode", decode, "--port", port])
-        deadline = time.monotonic() + 60
-        while True:
-            assert self.proc.poll() is None, "surge proxy exited during start-up"
-            assert time.monotonic() < deadline, "surge proxy did not start in 60 s"
-            try:
-                if httpx.get(self.url + "/metrics", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # started side by side: start-up is mostly waiting
-        starting = [pool.submit(RemoteServer, None, *SERVE), pool.submit(start_prefill),
-                    pool.submit(RemoteServer, None, *SERVE, "--kv-transfer-config", _connector("kv_consumer"))]
-        concurrent.futures.wait(starting)
-    failed = [f.exception() for f in starting if f.exception() is not None]
-    if failed:
-        for f in starting:
-            if f.exception() is None:
-                f.result().stop()
-        raise failed[0]
-    single, prefill, decode = (f.result() for f in starting)
-    proxy = ProxyProcess(prefill.url, decode.url)
+    single, prefill, decode = start_side_by_side(
+        lambda: RemoteServer(None, *SERVE), start_prefill,
+        lambda: RemoteServer(None, *SERVE, "--kv-transfer-config", _connector("kv_consumer")))
+    proxy = ProxyProcess("--prefill", prefill.url, "--decode", decode.url)
     state = {"single": single, "prefill": prefill, "decode": decode, "proxy": proxy}
     try:
         yield state
-    finally:
-        proxy.stop()
-        for name in ("decode", "prefill", "single"):
-            if state[name].proc.poll() is None:
-                state[name].stop()
+    finally:  # the instances as they are then: a test may have replaced one
+        stop_cluster(proxy, [state[name] for name in ("decode", "prefill", "single")])
 
 
 def run_all(client: openai.OpenAI) -> dict[str, str]:

@@ -8,21 +8,16 @@ fallback (surge:encoder_fallback_total) on the PD instance and surge_proxy:encod
 from __future__ import annotations
 
 import base64
-import concurrent.futures
 import io
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
 from PIL import Image
-from remote_server import RemoteServer, child_pids, free_port
+from remote_server import RemoteServer
+from serving_cluster import ProxyProcess, kill, start_side_by_side, stop_cluster
 
 from tiny_vlm import make_tiny_llava
 
@@ -41,64 +36,27 @@ def ec(store, role: str) -> tuple[str, str]:
                                                "ec_connector_extra_config": {"shared_storage_path": str(store)}})
 
 
-class ProxyProcess:
-    def __init__(self, *args: str) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "surge.entrypoints.cli.main", "proxy", *args,
-                                      "--port", self.url.rsplit(":", 1)[1]])
-        deadline = time.monotonic() + 60
-        while True:
-            assert self.proc.poll() is None, "surge proxy exited during start-up"
-            assert time.monotonic() < deadline, "surge proxy did not start in 60 s"
-            try:
-                if httpx.get(self.url + "/metrics", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-    def fallbacks(self) -> float:
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("surge_proxy:encoder_fallbacks_total "):
-                return float(line.split()[1])
-        raise AssertionError("surge_proxy:encoder_fallbacks_total is missing")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+def proxy_fallbacks(proxy: ProxyProcess) -> float:
+    """surge_proxy:encoder_fallbacks_total from the proxy's /metrics."""
+    for line in httpx.get(proxy.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("surge_proxy:encoder_fallbacks_total "):
+            return float(line.split()[1])
+    raise AssertionError("surge_proxy:encoder_fallbacks_total is missing")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model = make_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
     store = tmp_path_factory.mktemp("ec-store")
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # side by side: start-up is mostly waiting
-        starting = [pool.submit(RemoteServer, model, *SERVE),
-                    pool.submit(RemoteServer, model, *SERVE, *ec(store, "ec_producer")),
-                    pool.submit(RemoteServer, model, *SERVE, *ec(store, "ec_consumer"))]
-        concurrent.futures.wait(starting)
-    failed = [f.exception() for f in starting if f.exception() is not None]
-    if failed:
-        for f in starting:
-            if f.exception() is None:
-                f.result().stop()
-        raise failed[0]
-    single, encoder, pd = (f.result() for f in starting)
+    single, encoder, pd = start_side_by_side(lambda: RemoteServer(model, *SERVE),
+                                             lambda: RemoteServer(model, *SERVE, *ec(store, "ec_producer")),
+                                             lambda: RemoteServer(model, *SERVE, *ec(store, "ec_consumer")))
     proxy = ProxyProcess("--encode", encoder.url, "--decode", pd.url)
     state = {"single": single, "encoder": encoder, "pd": pd, "proxy": proxy, "store": store}
     try:
         yield state
     finally:
-        proxy.stop()
-        for name in ("pd", "encoder", "single"):
-            if state[name].proc.poll() is None:
-                state[name].stop()
+        stop_cluster(proxy, [pd, encoder, single])
 
 
 def run_all(client: openai.OpenAI, seeds: tuple[int, int, int]) -> dict[str, str]:
@@ -135,7 +93,7 @@ def test_outputs_match_a_single_instance_with_the_embeddings_from_the_encoder(cl
     loaded = "surge:ec_connector_loaded_images_total"
     assert after_pd[loaded] - before_pd[loaded] == 4
     assert after_pd["surge:encoder_fallback_total"] == before_pd["surge:encoder_fallback_total"]
-    assert cluster["proxy"].fallbacks() == 0
+    assert proxy_fallbacks(cluster["proxy"]) == 0
 
 
 def test_requests_without_images_never_reach_the_encoder(cluster):
@@ -154,17 +112,12 @@ def test_requests_without_images_never_reach_the_encoder(cluster):
 
 def test_with_the_encoder_down_the_pd_instance_encodes_and_counts(cluster):
     encoder, pd, proxy = cluster["encoder"], cluster["pd"], cluster["proxy"]
-    for pid in [encoder.proc.pid, *child_pids(encoder.proc.pid)]:  # an instance that dies, not one that stops
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    encoder.proc.wait(10)
+    kill(encoder)
     reference = run_all(cluster["single"].client(), (4, 5, 6))
     before = pd.metrics()
     assert run_all(proxy.client(), (4, 5, 6)) == reference
     after = pd.metrics()
     assert after["surge:encoder_fallback_total"] - before["surge:encoder_fallback_total"] == 4  # as loaded above
     assert after["surge:ec_connector_loaded_images_total"] == before["surge:ec_connector_loaded_images_total"]
-    assert proxy.fallbacks() == 4  # every request with images
+    assert proxy_fallbacks(proxy) == 4  # every request with images
     assert httpx.get(proxy.url + "/health", timeout=10).status_code == 200

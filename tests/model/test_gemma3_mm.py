@@ -4,13 +4,16 @@ generate token for token in float32: one and two images beside text, chunk budge
 prefix-cache hit that ends inside an image, preemption; an image too long for one step is a clear error."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
 from surge import LLM, SamplingParams
-from test_llava import data_url, random_image
 from tiny_vlm import GEMMA3_TOKENS_PER_IMAGE, make_tiny_gemma3
+from vlm_parity import (assert_chat_places_the_image, assert_outputs_match_hf,
+                         assert_preempted_image_requests_recompute_to_hf, random_image, with_hf)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 IMG = "<start_of_image>"
@@ -18,9 +21,7 @@ IMG = "<start_of_image>"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
-    return path, AutoProcessor.from_pretrained(path), Gemma3ForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32).eval()
+    return with_hf(make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3")), AutoProcessor, Gemma3ForConditionalGeneration)
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +42,6 @@ def hf_generate(tiny, text: str, images: list | None = None, bidirectional: bool
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def check(tiny, prompts, outs) -> None:
-    for prompt, out in zip(prompts, outs):
-        text, images = (prompt, []) if isinstance(prompt, str) else (prompt["prompt"],
-                                                                      prompt["multi_modal_data"]["image"])
-        images = images if isinstance(images, list) else [images]
-        assert out.outputs[0].token_ids == hf_generate(tiny, text, images), text
-
-
 def test_images_and_text_match_hf_with_whole_images_per_step(tiny, llm, monkeypatch):
     """One image, two (of other sizes), text only, an image first: every chunk that would end inside an image stops
     before it instead (the runner raises if one did not), and the outputs are HF's, which differ from causal
@@ -64,7 +57,7 @@ def test_images_and_text_match_hf_with_whole_images_per_step(tiny, llm, monkeypa
                                                                                       random_image(2, (64, 16))]}},
                "just text here",
                {"prompt": f"{IMG} first", "multi_modal_data": {"image": [random_image(3, (33, 47))]}}]
-    check(tiny, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert_outputs_match_hf(prompts, llm.generate(prompts, GREEDY, use_tqdm=False), partial(hf_generate, tiny))
     assert any(m < n for n, m in cuts)  # some chunk was cut short of an image
     assert not llm.engine.executor.runner.encoder_cache.embeds  # every image released once prefilled
     first = prompts[0]
@@ -83,16 +76,11 @@ def test_prefix_hit_inside_an_image(tiny, llm):
     out_second = llm.generate(second, GREEDY, use_tqdm=False)[0]
     start = len("same start") + 3  # the processor writes "\n\n<start_of_image>" before the image's tokens
     assert out_second.num_cached_tokens == start + GEMMA3_TOKENS_PER_IMAGE - 5
-    check(tiny, [first, second], [out_first, out_second])
+    assert_outputs_match_hf([first, second], [out_first, out_second], partial(hf_generate, tiny))
 
 
 def test_chat_places_the_image(tiny, llm):
-    image = random_image(7)
-    messages = [{"role": "user", "content": [{"type": "text", "text": "look"},
-                                             {"type": "image_url", "image_url": {"url": data_url(image)}}]}]
-    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
-    text = f"<|im_start|>user\nlook\n{IMG}<|im_end|>\n<|im_start|>assistant\n"
-    assert out.outputs[0].token_ids == hf_generate(tiny, text, [image])
+    assert_chat_places_the_image(llm, IMG, GREEDY, partial(hf_generate, tiny))
 
 
 def test_preempted_image_requests_recompute_to_hf(tiny):
@@ -100,14 +88,7 @@ def test_preempted_image_requests_recompute_to_hf(tiny):
     again in one step; the KV cache starts as NaN."""
     llm = LLM(tiny[0], dtype="float32", block_size=4, num_gpu_blocks_override=20, max_num_batched_tokens=20,
               max_model_len=64)
-    for cache in llm.engine.executor.runner.kv_caches:
-        cache.fill_(float("nan"))
-    prompts = [{"prompt": f"q{i} {IMG} what", "multi_modal_data": {"image": random_image(20 + i, (16 + 8 * i, 24))}}
-               for i in range(3)]
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert not llm.engine.executor.runner.encoder_cache.embeds
-    check(tiny, prompts, outs)
+    assert_preempted_image_requests_recompute_to_hf(llm, IMG, GREEDY, partial(hf_generate, tiny))
 
 
 def test_an_image_longer_than_a_step_is_a_clear_error(tiny):

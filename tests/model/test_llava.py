@@ -3,10 +3,8 @@ generate token for token in float32, with images and text-only prompts in one ba
 prefill; the prefix cache keys blocks by image; bad image input is a clear error."""
 from __future__ import annotations
 
-import base64
-import io
+from functools import partial
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -14,25 +12,14 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from surge import LLM, SamplingParams
 from tiny_vlm import make_tiny_llava
+from vlm_parity import assert_outputs_match_hf, data_url, random_image, with_hf
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
-def random_image(seed: int, size=(20, 24)) -> Image.Image:
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (*size, 3), dtype=np.uint8))
-
-
-def data_url(image: Image.Image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = make_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
-    return path, AutoProcessor.from_pretrained(path), LlavaForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32).eval()
+    return with_hf(make_tiny_llava(tmp_path_factory.mktemp("tiny-llava")), AutoProcessor, LlavaForConditionalGeneration)
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +43,7 @@ def test_images_and_text_match_hf_through_chunked_prefill(tiny, llm):
                {"prompt": "A<image>B", "multi_modal_data": {"image": [images[1]]}},
                "just text here",
                {"prompt": "two <image><image> images", "multi_modal_data": {"image": images}}]
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        text, imgs = (prompt, None) if isinstance(prompt, str) else (prompt["prompt"], prompt["multi_modal_data"]["image"])
-        imgs = imgs if imgs is None or isinstance(imgs, list) else [imgs]
-        assert out.outputs[0].token_ids == hf_generate(tiny, text, imgs), text
+    assert_outputs_match_hf(prompts, llm.generate(prompts, GREEDY, use_tqdm=False), partial(hf_generate, tiny))
     assert not llm.engine.executor.runner.encoder_cache.embeds  # every image released once prefilled
 
 

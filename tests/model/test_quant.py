@@ -228,3 +228,54 @@ def test_w4a16_preset_path_makes_random_int4_weights_and_refuses_checkpoints(tmp
         engine.shutdown()
     with pytest.raises(ValueError, match="quantization='w4a16' makes random int4 weights for a preset"):
         LLM(make_tiny_model("llama", tmp_path), quantization="w4a16", max_model_len=64, kv_cache_memory=1 << 20)
+
+
+@pytest.mark.parametrize("activations,block", [("token", None), ("static", None), ("group", (128, 128))])
+def test_fp8_cuda_path_picks_its_kernel_by_rows(monkeypatch, activations, block):
+    """Which kernel the CUDA path launches for a row count, read on the CPU with the kernels replaced by recorders:
+    the GEMV up to 4 rows, the weight-only GEMM up to 32, activation quantization and torch._scaled_mm above (group
+    scales padded to a multiple of 4 rows, the output cut back). The table as the module docstring states it."""
+    import sys
+    import types
+
+    from surge.model.layers.linear import Linear
+    from surge.model.quant.fp8 import Fp8LinearMethod
+
+    calls: list[tuple[str, int]] = []
+
+    def weight_only(name):
+        def kernel(x, weight, weight_scale, bias, block_scales):
+            assert block_scales == (block is not None) and weight_scale is layer.weight_scale
+            calls.append((name, x.shape[0]))
+            return torch.zeros(x.shape[0], weight.shape[0])
+        return kernel
+
+    def quantize(name):
+        def kernel(x, *args):
+            calls.append((name, x.shape[0]))
+            return x, torch.ones(x.shape[0], 1)
+        return kernel
+
+    def scaled_mm(q, w_t, scale_a, scale_b, out_dtype, bias=None):
+        calls.append(("scaled_mm", q.shape[0]))
+        return torch.zeros(q.shape[0], w_t.shape[1])
+
+    monkeypatch.setitem(sys.modules, "surge.kernels.gemv", types.SimpleNamespace(fp8_gemv=weight_only("gemv")))
+    monkeypatch.setitem(sys.modules, "surge.kernels.fp8_wo_gemm",
+                        types.SimpleNamespace(fp8_wo_gemm=weight_only("wo_gemm")))
+    monkeypatch.setitem(sys.modules, "surge.kernels.fp8_quant", types.SimpleNamespace(
+        per_token_group_quant_fp8=quantize("quant group"), scaled_fp8_quant_per_tensor=quantize("quant static"),
+        scaled_fp8_quant_per_token=quantize("quant token")))
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    method = Fp8LinearMethod("block" if block else "channel", activations, block)
+    layer = Linear(256, 128, bias=False)
+    del layer.weight
+    layer.set_method(method, torch.device("cpu"))
+    for rows in (1, 4, 5, 32, 33, 64):
+        calls.clear()
+        out = method._apply_cuda(layer, torch.randn(1, rows, 256), None)
+        assert out.shape == (1, rows, 128)
+        padded = rows + (-rows % 4 if activations == "group" else 0)
+        wanted = ([("gemv", rows)] if rows <= 4 else [("wo_gemm", rows)] if rows <= 32 else
+                  [(f"quant {activations}", padded), ("scaled_mm", padded)])
+        assert calls == wanted, rows

@@ -4,28 +4,25 @@ by chunked prefill, prefix-cache hits that end inside an image, one image shown 
 M-RoPE positions equal HF's get_rope_index. Qwen2-VL (the same decoder, a tower without windows) too."""
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
 from surge import LLM, SamplingParams
 from tiny_vlm import QWEN_IMAGE_TOKEN_ID, QWEN_PLACEHOLDER, make_tiny_qwen2_5_vl, tiny_qwen_image_processor
+from vlm_parity import (assert_chat_places_the_image, assert_outputs_match_hf,
+                         assert_preempted_image_requests_recompute_to_hf, random_image, with_hf)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 IMG = QWEN_PLACEHOLDER
 
 
-def random_image(seed: int, size=(20, 24)) -> Image.Image:
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (*size, 3), dtype=np.uint8))
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"))
-    return path, AutoTokenizer.from_pretrained(path), Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32).eval()
+    return with_hf(make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl")), AutoTokenizer, Qwen2_5_VLForConditionalGeneration)
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +55,6 @@ def hf_generate(tiny, text: str, images: list | None = None) -> list[int]:
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def check(tiny, prompts, outs) -> None:
-    for prompt, out in zip(prompts, outs):
-        text, images = (prompt, []) if isinstance(prompt, str) else (prompt["prompt"],
-                                                                      prompt["multi_modal_data"]["image"])
-        assert out.outputs[0].token_ids == hf_generate(tiny, text, images), text
-
-
 def test_mrope_positions_match_hf_get_rope_index(tiny, llm):
     images = [random_image(0), random_image(1, (40, 56)), random_image(2, (64, 16))]
     text = f"a{IMG}bc {IMG}{IMG} tail"
@@ -85,7 +75,7 @@ def test_images_and_text_match_hf_through_chunked_prefill(tiny, llm):
                                                                                       random_image(2, (64, 16))]}},
                "just text here",
                {"prompt": f"{IMG}", "multi_modal_data": {"image": [random_image(3, (33, 47))]}}]
-    check(tiny, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert_outputs_match_hf(prompts, llm.generate(prompts, GREEDY, use_tqdm=False), partial(hf_generate, tiny))
     assert not llm.engine.executor.runner.encoder_cache.embeds  # every image released once prefilled
 
 
@@ -104,22 +94,16 @@ def test_prefix_hit_inside_an_image_and_one_image_twice(tiny, llm, monkeypatch):
     out_second = llm.generate(second, GREEDY, use_tqdm=False)[0]
     start = len("same start <|vision_start|>")
     assert start < out_second.num_cached_tokens < start + 25  # the hit ends inside the image
-    check(tiny, [first, second], [out_first, out_second])
+    assert_outputs_match_hf([first, second], [out_first, out_second], partial(hf_generate, tiny))
     twice = {"prompt": f"x{IMG} and again {IMG}.", "multi_modal_data": {"image": [image, image]}}
     encoded.clear()
-    check(tiny, [twice], llm.generate(twice, GREEDY, use_tqdm=False))
+    assert_outputs_match_hf([twice], llm.generate(twice, GREEDY, use_tqdm=False), partial(hf_generate, tiny))
     assert len(encoded) == 1
     assert not runner.encoder_cache.embeds
 
 
 def test_chat_places_the_image(tiny, llm):
-    from test_llava import data_url
-    image = random_image(7)
-    messages = [{"role": "user", "content": [{"type": "text", "text": "look"},
-                                             {"type": "image_url", "image_url": {"url": data_url(image)}}]}]
-    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
-    text = f"<|im_start|>user\nlook\n{IMG}<|im_end|>\n<|im_start|>assistant\n"
-    assert out.outputs[0].token_ids == hf_generate(tiny, text, [image])
+    assert_chat_places_the_image(llm, IMG, GREEDY, partial(hf_generate, tiny))
 
 
 def test_preempted_image_requests_recompute_to_hf(tiny):
@@ -127,14 +111,7 @@ def test_preempted_image_requests_recompute_to_hf(tiny):
     re-encoded, decode positions from the same delta); the KV cache starts as NaN."""
     llm = LLM(tiny[0], dtype="float32", block_size=4, num_gpu_blocks_override=17, max_num_batched_tokens=8,
               max_model_len=64)
-    for cache in llm.engine.executor.runner.kv_caches:
-        cache.fill_(float("nan"))
-    prompts = [{"prompt": f"q{i} {IMG} what", "multi_modal_data": {"image": random_image(20 + i, (16 + 8 * i, 24))}}
-               for i in range(3)]
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert not llm.engine.executor.runner.encoder_cache.embeds
-    check(tiny, prompts, outs)
+    assert_preempted_image_requests_recompute_to_hf(llm, IMG, GREEDY, partial(hf_generate, tiny))
 
 
 def test_qwen2_5_vl_7b_preset_shapes():
@@ -162,11 +139,10 @@ def test_qwen2_5_vl_7b_preset_shapes():
 
 def test_qwen2_vl_matches_hf(tmp_path):
     path = make_tiny_qwen2_5_vl(tmp_path / "tiny-qwen2-vl", qwen2=True)
-    tiny = (path, AutoTokenizer.from_pretrained(path),
-            Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval())
+    tiny = with_hf(path, AutoTokenizer, Qwen2VLForConditionalGeneration)
     llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22, max_num_batched_tokens=8,
               max_model_len=160)
     prompts = [{"prompt": f"A{IMG}B and {IMG} two", "multi_modal_data": {"image": [random_image(1, (40, 56)),
                                                                                       random_image(2, (24, 16))]}},
                "just text here"]
-    check(tiny, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert_outputs_match_hf(prompts, llm.generate(prompts, GREEDY, use_tqdm=False), partial(hf_generate, tiny))

@@ -6,28 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mtp_checks import (assert_drafts_equal_the_reference, draft_as_rank_1_of_2, mtp_spec, one_rank_and_two,
+                        speculate_as_without)
 from safetensors.torch import load_file, save_file
-from test_draft_model import _generate
-from test_ngram import _prompts
 from tiny_dsv import make_tiny_mtp_model
 from tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
 from surge import LLM, SamplingParams
-from surge.config import ParallelConfig
-from surge.distributed.parallel_state import layout_of_rank
-from surge.engine.args import EngineArgs
-from surge.model.loader.base import build_model
 from surge.model.models.deepseek_mtp import DeepseekMTP
 
 BASE = {"block_size": 4, "max_model_len": 128, "device": "cpu"}
 ENGINES = {"plain": {"kv_cache_memory": 1 << 22},
            "preempted-chunked": {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 16}}
-
-
-def _spec(k: int) -> dict:
-    return {"method": "deepseek_mtp", "num_speculative_tokens": k}
 
 
 @pytest.fixture(scope="module")
@@ -80,22 +72,6 @@ class Reference:
         return drafts, margins
 
 
-def _record_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    """(the request's tokens, its drafts) for every step that verifies drafts, as scheduled."""
-    sched, seen = llm.engine.scheduler, []
-    inner = sched.schedule
-
-    def schedule():
-        out = inner()
-        for s in out.scheduled:
-            if s.spec_token_ids:
-                seen.append((list(sched.requests[s.request_id].token_ids), list(s.spec_token_ids)))
-        return out
-
-    sched.schedule = schedule
-    return seen
-
-
 @pytest.mark.parametrize(("k", "engine"), [(1, "plain"), (3, "plain"), (3, "preempted-chunked")])
 def test_drafts_equal_the_reference(checkpoints, k, engine):
     """The random MTP layer's drafts are mostly rejected: the step forward's rows past the accepted position are
@@ -103,22 +79,11 @@ def test_drafts_equal_the_reference(checkpoints, k, engine):
     sequence. The checkpoint ships the layer's own embed_tokens and shared_head.head, equal to the target's."""
     path = checkpoints["random"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    llm = LLM(str(path), speculative_config=_spec(k), **BASE, **ENGINES[engine])
-    seen = _record_proposals(llm)
-    ref_out = LLM(str(path), **BASE, **ENGINES[engine]).generate(_prompts(), params, use_tqdm=False)
-    outs = llm.generate(_prompts(), params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref_out]
+    run = speculate_as_without(path, k, params, {**BASE, **ENGINES[engine]})
     if engine == "preempted-chunked":
-        assert llm.engine.scheduler.num_preemptions > 0
-    ref = Reference(path)
-    assert len(seen) > 20
-    for tokens, drafts in seen:
-        expect, margins = ref.drafts(tokens, len(drafts))
-        for got, want, margin in zip(drafts, expect, margins):
-            if margin > 1e-4:  # a near tie may go either way in float32
-                assert got == want, (tokens, drafts, expect)
-            if got != want:
-                break  # later drafts follow from this one
+        assert run.llm.engine.scheduler.num_preemptions > 0
+    assert len(run.proposals) > 20
+    assert_drafts_equal_the_reference(run.proposals, Reference(path))
 
 
 @pytest.mark.parametrize(("k", "engine"), [(1, "plain"), (3, "plain"), (3, "preempted-chunked"), (2, "async")])
@@ -126,16 +91,13 @@ def test_greedy_identical_and_a_copy_of_the_target_layer_accepted(checkpoints, k
     path = checkpoints["copy"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     extra = {"async_scheduling": True, **ENGINES["plain"]} if engine == "async" else ENGINES[engine]
-    ref = LLM(str(path), **BASE, **extra).generate(_prompts(), params, use_tqdm=False)
-    llm = LLM(str(path), speculative_config=_spec(k), **BASE, **extra)
-    ahead: list[int] = []
-    outs, (proposed, accepted) = _generate(llm, _prompts(), params, ahead)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    run = speculate_as_without(path, k, params, {**BASE, **extra})
+    proposed, accepted = run.proposed, run.accepted
     print(f"deepseek_mtp k={k} {engine}: {accepted}/{proposed} drafts accepted ({accepted / proposed:.0%})")
     assert proposed > 0 and accepted > 0
-    assert llm.engine.kv_cache_manager.usage == 0.0
-    assert (ahead[0] > 0) == (engine == "async")
-    stats = llm.engine.scheduler.spec_stats
+    assert run.llm.engine.kv_cache_manager.usage == 0.0
+    assert (run.ahead > 0) == (engine == "async")
+    stats = run.llm.engine.scheduler.spec_stats
     assert stats.num_drafts > 0 and stats.acceptance_rate > 0
 
 
@@ -144,17 +106,10 @@ def test_two_ranks_propose_as_one(checkpoints, expert_parallel):
     """TP=2 (gloo), the MTP layer's heads split like the target's and, with expert parallelism, its experts: the
     same output and the same drafts accepted as on one rank (a draft whose experts were split otherwise than the
     process's groups say would be summed wrongly, and propose otherwise)."""
-    path = str(checkpoints["random"])
+    path = checkpoints["random"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    runs = []
-    for tp in (1, 2):
-        llm = LLM(path, speculative_config=_spec(2), tensor_parallel_size=tp,
-                  enable_expert_parallel=expert_parallel and tp > 1, **BASE, **ENGINES["plain"])
-        try:
-            runs.append(_generate(llm, _prompts(), params))
-        finally:
-            llm.engine.shutdown()
-    (one, counts_one), (two, counts_two) = runs
+    (one, counts_one), (two, counts_two) = one_rank_and_two(path, 2, params, expert_parallel,
+                                                            {**BASE, **ENGINES["plain"]})
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
     assert counts_two == counts_one and counts_one[0] > 0
 
@@ -162,13 +117,8 @@ def test_two_ranks_propose_as_one(checkpoints, expert_parallel):
 def test_the_draft_splits_its_experts_as_the_target(checkpoints):
     """Built as rank 1 of two under the draft's ParallelConfig (derived by DRAFT_PARALLEL_POLICY, which inherits
     expert parallelism): with it the MTP block holds experts 4..7 of 8, whole; without, half of each of the 8."""
-    spec = EngineArgs(model=str(checkpoints["random"]), dtype="float32", device="cpu",
-                      speculative_config=_spec(1)).create_engine_config().speculative_config
     for ep, layout in ((True, (4, 4, 32)), (False, (8, 0, 16))):
-        draft = spec.draft_parallel_config(ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=ep))
-        assert draft.enable_expert_parallel == ep
-        with layout_of_rank(draft, 1):
-            model = build_model(spec.draft, torch.device("meta"), DeepseekMTP)
+        model = draft_as_rank_1_of_2(checkpoints["random"], ep, DeepseekMTP)
         experts = model.layer.mtp_block.mlp.experts
         assert (experts.num_local_experts, experts.expert_start, experts.local_intermediate) == layout
 
@@ -180,7 +130,7 @@ def test_a_layer_with_its_own_head_is_refused(tmp_path):
     tensors["model.layers.1.shared_head.head.weight"] = tensors["model.layers.1.shared_head.head.weight"] + 1
     save_file(tensors, str(file))
     with pytest.raises(ValueError, match="own shared_head.head, which differs from the target's"):
-        LLM(str(path), speculative_config=_spec(1), **BASE, **ENGINES["plain"])
+        LLM(str(path), speculative_config=mtp_spec(1), **BASE, **ENGINES["plain"])
 
 
 @pytest.mark.parametrize(("kind", "spec", "match"), [
@@ -198,7 +148,7 @@ def test_refused_by_name(tmp_path, kind, spec, match):
     else:
         path = make_tiny_mtp_model(tmp_path / "m", "random")
     with pytest.raises(ValueError, match=match):
-        LLM(str(path), speculative_config={**_spec(1), **spec}, **BASE, **ENGINES["plain"])
+        LLM(str(path), speculative_config={**mtp_spec(1), **spec}, **BASE, **ENGINES["plain"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/h200 spec-tests)")
@@ -211,19 +161,7 @@ def test_on_cuda(checkpoints, async_scheduling):
             "async_scheduling": async_scheduling}
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for kind in ("copy", "random"):
-        path = str(checkpoints[kind])
-        ref = LLM(path, **cuda).generate(_prompts(), params, use_tqdm=False)
-        llm = LLM(path, speculative_config=_spec(3), **cuda)
-        seen = _record_proposals(llm)
-        outs, (proposed, accepted) = _generate(llm, _prompts(), params)
-        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
-        assert proposed > 0 and (accepted > 0 or kind == "random")
-        assert bool(seen) != async_scheduling
-        reference = Reference(checkpoints[kind])
-        for tokens, drafts in seen:
-            expect, margins = reference.drafts(tokens, len(drafts))
-            for got, want, margin in zip(drafts, expect, margins):
-                if margin > 1e-4:
-                    assert got == want, (tokens, drafts, expect)
-                if got != want:
-                    break
+        run = speculate_as_without(checkpoints[kind], 3, params, cuda)
+        assert run.proposed > 0 and (run.accepted > 0 or kind == "random")
+        assert bool(run.proposals) != async_scheduling
+        assert_drafts_equal_the_reference(run.proposals, Reference(checkpoints[kind]))

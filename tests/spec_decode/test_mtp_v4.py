@@ -8,27 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from mtp_checks import (assert_drafts_equal_the_reference, draft_as_rank_1_of_2, mtp_spec, one_rank_and_two,
+                        speculate_as_without)
 from safetensors.torch import load_file, save_file
-from test_draft_model import _generate
-from test_mtp import _record_proposals
-from test_ngram import _prompts
 from tiny_dsv4 import hf_indexer_ties_to_lower_index, make_tiny_v4_mtp_model, mtp_block_checkpoint
 from transformers import AutoModelForCausalLM
 
 from surge import LLM, SamplingParams
-from surge.config import ParallelConfig
-from surge.distributed.parallel_state import layout_of_rank
-from surge.engine.args import EngineArgs
-from surge.model.loader.base import build_model
 from surge.model.models.deepseek_v4_mtp import DeepseekV4MTP, mtp_layer_type
 
 BASE = {"block_size": 4, "device": "cpu"}
 ENGINES = {"plain": {"kv_cache_memory": 1 << 22, "max_model_len": 128},
            "preempted-chunked": {"num_gpu_blocks_override": 24, "max_num_batched_tokens": 16, "max_model_len": 64}}
-
-
-def _spec(k: int) -> dict:
-    return {"method": "deepseek_mtp", "num_speculative_tokens": k}
 
 
 @pytest.fixture(scope="module")
@@ -104,53 +95,32 @@ def test_drafts_equal_the_reference(checkpoints, k, engine):
     reference's from the whole sequence. The checkpoint ships mtp.0.embed and mtp.0.head, equal to the target's."""
     path = checkpoints["random"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm = LLM(str(path), speculative_config=_spec(k), **BASE, **ENGINES[engine])
-    seen = _record_proposals(llm)
-    ref_out = LLM(str(path), **BASE, **ENGINES[engine]).generate(_prompts(), params, use_tqdm=False)
-    outs = llm.generate(_prompts(), params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref_out]
+    run = speculate_as_without(path, k, params, {**BASE, **ENGINES[engine]})
     if engine == "preempted-chunked":
-        assert llm.engine.scheduler.num_preemptions > 0
-    assert len(seen) > 20
+        assert run.llm.engine.scheduler.num_preemptions > 0
+    assert len(run.proposals) > 20
     with hf_indexer_ties_to_lower_index():
-        ref = Reference(path)
-        for tokens, drafts in seen:
-            expect, margins = ref.drafts(tokens, len(drafts))
-            for got, want, margin in zip(drafts, expect, margins):
-                if margin > 1e-4:  # a near tie may go either way in float32
-                    assert got == want, (tokens, drafts, expect)
-                if got != want:
-                    break  # later drafts follow from this one
+        assert_drafts_equal_the_reference(run.proposals, Reference(path))
 
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_greedy_identical_and_a_copy_of_the_target_layer_accepted(checkpoints, k):
     path = checkpoints["copy"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = LLM(str(path), **BASE, **ENGINES["plain"]).generate(_prompts(), params, use_tqdm=False)
-    llm = LLM(str(path), speculative_config=_spec(k), **BASE, **ENGINES["plain"])
-    outs, (proposed, accepted) = _generate(llm, _prompts(), params)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    run = speculate_as_without(path, k, params, {**BASE, **ENGINES["plain"]})
+    proposed, accepted = run.proposed, run.accepted
     print(f"deepseek_mtp v4 k={k}: {accepted}/{proposed} drafts accepted ({accepted / proposed:.0%})")
     assert proposed > 0 and accepted > proposed // 2
-    assert llm.engine.kv_cache_manager.usage == 0.0
+    assert run.llm.engine.kv_cache_manager.usage == 0.0
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
 def test_two_ranks_propose_as_one(checkpoints, expert_parallel):
     """TP=2 (gloo), the MTP block's heads, output groups and (with expert parallelism) experts split like the
     target's: the same output and the same drafts accepted as on one rank."""
-    path = str(checkpoints["copy"])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    runs = []
-    for tp in (1, 2):
-        llm = LLM(path, speculative_config=_spec(2), tensor_parallel_size=tp,
-                  enable_expert_parallel=expert_parallel and tp > 1, **BASE, **ENGINES["plain"])
-        try:
-            runs.append(_generate(llm, _prompts(), params))
-        finally:
-            llm.engine.shutdown()
-    (one, counts_one), (two, counts_two) = runs
+    (one, counts_one), (two, counts_two) = one_rank_and_two(checkpoints["copy"], 2, params, expert_parallel,
+                                                            {**BASE, **ENGINES["plain"]})
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
     assert counts_two == counts_one and counts_one[1] > 0
 
@@ -159,13 +129,8 @@ def test_the_draft_splits_as_the_target(checkpoints):
     """Built as rank 1 of two under the draft's ParallelConfig (derived by DRAFT_PARALLEL_POLICY, which inherits
     expert parallelism): with it the MTP block holds experts 2..3 of 4, whole; without, half of each of the 4; its
     heads and output groups halved either way, its e_proj and hc_head whole."""
-    spec = EngineArgs(model=str(checkpoints["random"]), dtype="float32", device="cpu",
-                      speculative_config=_spec(1)).create_engine_config().speculative_config
     for ep, layout in ((True, (2, 2, 32)), (False, (4, 0, 16))):
-        draft = spec.draft_parallel_config(ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=ep))
-        assert draft.enable_expert_parallel == ep
-        with layout_of_rank(draft, 1):
-            model = build_model(spec.draft, torch.device("meta"), DeepseekV4MTP)
+        model = draft_as_rank_1_of_2(checkpoints["random"], ep, DeepseekV4MTP)
         layer = model.layer
         experts = layer.ffn.experts
         assert (experts.num_local_experts, experts.expert_start, experts.local_intermediate) == layout
@@ -214,7 +179,7 @@ def test_a_layer_with_its_own_head_is_refused(tmp_path):
     tensors["mtp.0.head.weight"] = tensors["mtp.0.head.weight"] + 1
     save_file(tensors, str(file))
     with pytest.raises(ValueError, match="own head, which differs from the target's"):
-        LLM(str(path), speculative_config=_spec(1), **BASE, **ENGINES["plain"])
+        LLM(str(path), speculative_config=mtp_spec(1), **BASE, **ENGINES["plain"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/h200 v4-model-tests)")
@@ -224,20 +189,8 @@ def test_on_cuda(checkpoints):
     cuda = {**BASE, **ENGINES["plain"], "device": "cuda", "dtype": "float32", "kv_cache_memory": 1 << 26}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for kind in ("copy", "random"):
-        path = checkpoints[kind]
-        ref = LLM(str(path), **cuda).generate(_prompts(), params, use_tqdm=False)
-        llm = LLM(str(path), speculative_config=_spec(2), **cuda)
-        seen = _record_proposals(llm)
-        outs, (proposed, accepted) = _generate(llm, _prompts(), params)
-        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
-        assert proposed > 0 and (accepted > proposed // 2 or kind == "random")
+        run = speculate_as_without(checkpoints[kind], 2, params, cuda)
+        assert run.proposed > 0 and (run.accepted > run.proposed // 2 or kind == "random")
         if kind == "random":
             with hf_indexer_ties_to_lower_index():
-                reference = Reference(path)
-                for tokens, drafts in seen:
-                    expect, margins = reference.drafts(tokens, len(drafts))
-                    for got, want, margin in zip(drafts, expect, margins):
-                        if margin > 1e-4:
-                            assert got == want, (tokens, drafts, expect)
-                        if got != want:
-                            break
+                assert_drafts_equal_the_reference(run.proposals, Reference(checkpoints[kind]))

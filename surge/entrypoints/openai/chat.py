@@ -62,11 +62,8 @@ class ChatHandler:
                                    structured_outputs=constraint)
         request_id = random_id("chatcmpl-")
         if req.stream:
-            try:
-                outputs = await s.start(token_ids, params, request_id, lora_request=s.lora_request(model),
-                                        mm_features=mm_features)
-            except Exception as e:
-                raise engine_error(e, grammar_param) from None
+            outputs = await s.start(token_ids, params, request_id, lora_request=s.lora_request(model),
+                                    mm_features=mm_features, grammar_param=grammar_param)
             return StreamingResponse(self._stream(req, model, request_id, token_ids, params, outputs, tools,
                                                   grammar_param), media_type="text/event-stream")
         [out] = await s.run_to_end(http, [(token_ids, params)], request_id, grammar_param, s.lora_request(model),

@@ -73,11 +73,11 @@ class CompletionsHandler:
             try:
                 for i, (ids, params) in enumerate(requests):
                     streams.append(await s.start(ids, params, f"{request_id}-p{i}", prompts[i][0],
-                                                 s.lora_request(model)))
-            except Exception as e:
+                                                 s.lora_request(model), grammar_param=grammar_param))
+            except Exception:
                 for started in streams:
                     await started.aclose()  # aborts the prompts already added
-                raise engine_error(e, grammar_param) from None
+                raise
             return StreamingResponse(self._stream(req, model, request_id, prompts, requests, streams, grammar_param),
                                      media_type="text/event-stream")
         outputs = await s.run_to_end(http, requests, request_id, grammar_param, s.lora_request(model))

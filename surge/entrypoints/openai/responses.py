@@ -18,8 +18,7 @@ from surge.entrypoints.openai.protocol import (FunctionCallItem, IncompleteDetai
                                                OutputMessage, OutputText, OutputTokensDetails, ReasoningItem,
                                                ReasoningText, ResponseObject, ResponsesRequest, ResponseUsage,
                                                TokenLogprob)
-from surge.entrypoints.openai.serving import (OpenAIServing, encode, engine_error, now, random_id, shown_logprobs,
-                                              token_logprobs)
+from surge.entrypoints.openai.serving import OpenAIServing, encode, now, random_id, shown_logprobs, token_logprobs
 from surge.entrypoints.openai.tools import parse_tools, template_tool_calls
 from surge.outputs import CompletionOutput
 from surge.sampling_params import SamplingParams
@@ -93,11 +92,8 @@ class ResponsesHandler:
                                    structured_outputs=constraint)
         response_id = random_id("resp_")
         if req.stream:
-            try:
-                outputs = await s.start(token_ids, params, response_id, lora_request=s.lora_request(model),
-                                        mm_features=mm_features)
-            except Exception as e:
-                raise engine_error(e, grammar_param) from None
+            outputs = await s.start(token_ids, params, response_id, lora_request=s.lora_request(model),
+                                    mm_features=mm_features, grammar_param=grammar_param)
             return StreamingResponse(stream_events(self, req, model, response_id, token_ids, params, outputs,
                                                    s.output_parser(tools, token_ids), grammar_param),
                                      media_type="text/event-stream")

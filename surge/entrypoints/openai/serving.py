@@ -322,19 +322,23 @@ class OpenAIServing:
     # ---- running ----
     async def start(self, token_ids: list[int], params: SamplingParams, request_id: str,
                     prompt_text: str | None = None, lora_request: LoRARequest | None = None,
-                    mm_features: list[MultiModalFeature] | None = None) -> RequestStream:
-        """Adds the request now, so that one the engine refuses is an HTTP error before a stream begins; then its
-        outputs as they come. A request with a grammar waits for its first output: the core compiles the grammar
-        and may refuse it."""
+                    mm_features: list[MultiModalFeature] | None = None,
+                    grammar_param: str | None = None) -> RequestStream:
+        """Adds the request now, so that one the engine refuses is an HTTP error (engine_error's, grammar_param as
+        there) before a stream begins; then its outputs as they come. A request with a grammar waits for its first
+        output: the core compiles the grammar and may refuse it."""
         prompt = {"prompt_token_ids": token_ids, "prompt": prompt_text, "mm_features": mm_features or []}
         try:
-            queue = await self.engine.add_request(request_id, prompt, params, OutputKind.DELTA,
-                                                  lora_request=lora_request)
-        except ValueError as e:
-            raise bad_request(str(e), param="model" if lora_request is not None else None) from None
-        stream = RequestStream(self.engine, request_id, queue)
-        if params.structured_outputs is not None:
-            await stream.wait_first()
+            try:
+                queue = await self.engine.add_request(request_id, prompt, params, OutputKind.DELTA,
+                                                      lora_request=lora_request)
+            except ValueError as e:
+                raise bad_request(str(e), param="model" if lora_request is not None else None) from None
+            stream = RequestStream(self.engine, request_id, queue)
+            if params.structured_outputs is not None:
+                await stream.wait_first()
+        except Exception as e:
+            raise engine_error(e, grammar_param) from None
         return stream
 
     async def run_to_end(self, http: HTTPRequest, prompts: list[tuple[list[int], SamplingParams | PoolingParams]],

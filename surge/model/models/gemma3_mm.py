@@ -18,6 +18,7 @@ from surge.model.arch import cfg_get
 from surge.model.layers.norm import GemmaRMSNorm
 from surge.model.models.gemma import Gemma3ForCausalLM
 from surge.model.models.llava import ImageTextModel
+from surge.model.models.vision_language import TiedAsTheVLMSays
 
 
 class Gemma3Projector(nn.Module):
@@ -38,14 +39,8 @@ class Gemma3Projector(nn.Module):
         return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight).type_as(x)
 
 
-class Gemma3TextModel(Gemma3ForCausalLM):
+class Gemma3TextModel(TiedAsTheVLMSays, Gemma3ForCausalLM):
     """The decoder; its LM head is tied as the VLM's top-level tie_word_embeddings says."""
-
-    def make_lm_head(self, embed):
-        tie = self.config.hf_config.get("tie_word_embeddings")
-        if tie is not None:
-            self.tie_word_embeddings = bool(tie)
-        return super().make_lm_head(embed)
 
 
 class Gemma3ForConditionalGeneration(ImageTextModel):

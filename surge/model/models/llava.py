@@ -13,10 +13,10 @@ import re
 import torch
 from torch import nn
 
-from surge.attention.backend import AttentionMetadata
-from surge.model.arch import CausalLM, refuse
+from surge.model.arch import refuse
 from surge.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from surge.model.models.mistral import MistralForCausalLM
+from surge.model.models.vision_language import VisionLanguageModel
 from surge.multimodal import MultiModalFeature
 
 TEXT_MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
@@ -34,7 +34,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class ImageTextModel(CausalLM):
+class ImageTextModel(VisionLanguageModel):
     """What LLaVA-style models share (Gemma 3 too): a vision tower and projector (`_embed_pixels`, the subclass's)
     whose rows replace each image's run of placeholder tokens in the `language_model`'s input; transformers-style
     checkpoint names (`vision_tower`, `multi_modal_projector`, `language_model`)."""
@@ -92,16 +92,6 @@ class ImageTextModel(CausalLM):
     def _embed_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, C, H, W] -> [N, tokens per image, hidden]."""
         raise NotImplementedError
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata],
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, meta, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.language_model.compute_logits(hidden)
 
     def checkpoint_name_to_param(self, name: str):
         """transformers 5 (`model.vision_tower.*`, `model.language_model.*`, `lm_head.*`) and older saves

@@ -25,10 +25,11 @@ from torch import nn
 
 from surge.attention.backend import AttentionMetadata, Prologue
 from surge.kernels.reference import rotate_half
-from surge.model.arch import CausalLM, head_dim
+from surge.model.arch import head_dim
 from surge.model.layers.norm import LayerNorm, RMSNorm
 from surge.model.layers.rotary import MRotaryEmbedding, RopeRows, rope_parameters
 from surge.model.models.llama import DecoderAttention, Qwen2ForCausalLM
+from surge.model.models.vision_language import TiedAsTheVLMSays, VisionLanguageModel
 from surge.multimodal import MultiModalFeature
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in a prompt, before expansion
@@ -202,14 +203,8 @@ class MRopeAttention(DecoderAttention):
         return Prologue(rows.index, rows.cos, rows.sin)
 
 
-class Qwen2VLTextModel(Qwen2ForCausalLM):
+class Qwen2VLTextModel(TiedAsTheVLMSays, Qwen2ForCausalLM):
     """The decoder; `forward` takes positions [3, T] and turns them into the step's rotary rows once."""
-
-    def make_lm_head(self, embed):
-        tie = self.config.hf_config.get("tie_word_embeddings")  # a VLM's config.json holds it at the top level
-        if tie is not None:
-            self.tie_word_embeddings = bool(tie)
-        return super().make_lm_head(embed)
 
     def make_rotary(self, layer_type: str) -> MRotaryEmbedding:
         params = rope_parameters(self.tc, layer_type)
@@ -236,8 +231,8 @@ class Qwen2VLProcessor:
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
 
 
-class Qwen2_5_VLForConditionalGeneration(CausalLM):
-    uses_mrope = True  # the runner feeds positions [3, T] (StepInputs.model_positions)
+class Qwen2_5_VLForConditionalGeneration(VisionLanguageModel):
+    uses_mrope = True  # the runner feeds positions [3, T] (temporal, height, width; StepInputs.model_positions)
     qwen2_tower = False
 
     def __init__(self, config, quant_config=None) -> None:
@@ -324,17 +319,6 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         pixels = torch.cat([f.pixel_values(device) for f in features])
         merged = self.visual(pixels, [f.grid_thw for f in features])
         return list(merged.split([f.length for f in features]))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata],
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """positions: [3, T] (temporal, height, width)."""
-        return self.language_model(input_ids, positions, meta, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.language_model.compute_logits(hidden)
 
     def checkpoint_name_to_param(self, name: str):
         """transformers 5 (`model.visual.*`, `model.language_model.*`, `lm_head.*`) and the released checkpoints

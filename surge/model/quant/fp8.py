@@ -23,6 +23,8 @@ there likewise.
 """
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,9 @@ from surge.model.quant.quantized_input import InputQuant, QuantizedInput
 
 GEMV_ROWS = 4  # surge.kernels.gemv.py's MAX_ROWS (not imported here: it imports Triton)
 WO_GEMM_ROWS = 32  # up to here fp8_wo_gemm beats torch._scaled_mm on Qwen3-8B's layers (H200, bench kernels --only wo)
+# The weight-only kernels (W8A16: bf16 activations as they are) by the most rows each serves, smallest first: (rows,
+# module in surge.kernels, function). Above the last, the activations are quantized for torch._scaled_mm.
+WEIGHT_ONLY_KERNELS = ((GEMV_ROWS, "gemv", "fp8_gemv"), (WO_GEMM_ROWS, "fp8_wo_gemm", "fp8_wo_gemm"))
 
 
 def quantize_weight(w: torch.Tensor, scheme: str, block: tuple[int, int] | None
@@ -147,7 +152,7 @@ class Fp8LinearMethod(LinearMethod):
         if not self._scaled_mm_serves(x.is_cuda, x.dtype):
             return True
         rows = x.numel() // x.shape[-1]
-        return rows > WO_GEMM_ROWS and not (self.activations == "group" and rows % 4)
+        return rows > WEIGHT_ONLY_KERNELS[-1][0] and not (self.activations == "group" and rows % 4)
 
     def apply(self, layer, x: torch.Tensor | QuantizedInput, bias: torch.Tensor | None) -> torch.Tensor:
         if type(x) is QuantizedInput:
@@ -183,17 +188,17 @@ class Fp8LinearMethod(LinearMethod):
     def _apply_cuda(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        rows = x2.shape[0]
-        if rows <= GEMV_ROWS:  # decode: stream the fp8 weight, activations as they are (weight-only)
-            from surge.kernels.gemv import fp8_gemv
-            out = fp8_gemv(x2, layer.weight, getattr(layer, self.scale_name), bias,
-                           block_scales=self.block is not None)
-            return out.view(*shape[:-1], out.shape[-1])
-        if rows <= WO_GEMM_ROWS:  # decode batches: still the weight's bandwidth, on tensor cores
-            from surge.kernels.fp8_wo_gemm import fp8_wo_gemm
-            out = fp8_wo_gemm(x2, layer.weight, getattr(layer, self.scale_name), bias,
+        weight_only = _weight_only_kernel(x2.shape[0])
+        if weight_only is not None:  # decode: the fp8 weight's bandwidth, activations as they are
+            out = weight_only(x2, layer.weight, getattr(layer, self.scale_name), bias,
                               block_scales=self.block is not None)
-            return out.view(*shape[:-1], out.shape[-1])
+        else:
+            out = self._quantize_and_scaled_mm(layer, x2, bias)
+        return out.view(*shape[:-1], out.shape[-1])
+
+    def _quantize_and_scaled_mm(self, layer, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x2 [M, K]: its activations quantized as this method's scheme says, then torch._scaled_mm."""
+        rows = x2.shape[0]
         kernels = _kernels()
         if self.activations == "group":
             if rows % 4:  # cuBLASLt's block-scaled GEMM takes M in multiples of 4 (vLLM pads alike)
@@ -205,8 +210,7 @@ class Fp8LinearMethod(LinearMethod):
             x_scale = input_scale.expand(rows, 1).contiguous()  # row-wise scales: cuBLASLt wants them dense
         else:
             q, x_scale = kernels.scaled_fp8_quant_per_token(x2)
-        out = self._scaled_mm(layer, q, x_scale, bias, x.dtype)[:rows]
-        return out.view(*shape[:-1], out.shape[-1])
+        return self._scaled_mm(layer, q, x_scale, bias, x2.dtype)[:rows]
 
     def _scaled_mm(self, layer, q: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None,
                    dtype: torch.dtype) -> torch.Tensor:
@@ -218,6 +222,15 @@ class Fp8LinearMethod(LinearMethod):
             out = torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=dtype)
             return out if bias is None else out + bias
         return torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), bias=bias, out_dtype=dtype)
+
+
+def _weight_only_kernel(rows: int) -> Callable[..., torch.Tensor] | None:
+    """The weight-only kernel WEIGHT_ONLY_KERNELS names for this many rows (imported on first use: Triton), or None
+    above them all."""
+    for most_rows, module, function in WEIGHT_ONLY_KERNELS:
+        if rows <= most_rows:
+            return getattr(importlib.import_module(f"surge.kernels.{module}"), function)
+    return None
 
 
 def _kernels():

@@ -4,19 +4,14 @@ template that, like V3.1's, ends the prompt with <think> or </think> by chat_tem
 "generates" a known text token by token; the test checks what each API makes of it, streamed and not."""
 from __future__ import annotations
 
-import asyncio
 import json
 
-import httpx
-import openai
 import pytest
 
 from surge.engine import deepseek_v4_prompt
-from surge.engine.args import EngineArgs
-from surge.engine.input_processor import InputProcessor, load_tokenizer
-from surge.entrypoints.openai.app import build_app
 from surge.entrypoints.openai.options import ServerOptions
-from surge.outputs import CompletionOutput, RequestOutput
+
+from scripted_engine import ScriptedEngine, serve
 
 REASONING = "The user wants weather; a tool knows it."
 ARGS = {"city": "Paris", "days": [1, 2]}
@@ -36,41 +31,11 @@ V31_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user'
                 "{% endif %}")
 
 
-class TokenScriptedEngine:
-    """Answers every request with `text` as the tokenizer's tokens, one output per token, and records the prompts."""
-
-    def __init__(self, model_dir, text: str) -> None:
-        self.config = EngineArgs(model_dir, device="cpu", max_model_len=4096).create_engine_config()
-        self.tokenizer = load_tokenizer(model_dir)
-        self.input_processor = InputProcessor(self.config, self.tokenizer)
-        self.dead_error, self.is_running = None, True
-        self.prompts: list[list[int]] = []
-        self.ids = self.tokenizer.encode(text, add_special_tokens=False)
-        assert self.tokenizer.decode(self.ids) == text  # the tokenizer round-trips the markers
-
-    def _outputs(self, request_id, token_ids):
-        n, decode = len(self.ids), self.tokenizer.decode
-        return [RequestOutput(request_id, None, token_ids, [CompletionOutput(
-            0, decode(self.ids[:i + 1])[len(decode(self.ids[:i])):], [t],
-            finish_reason="stop" if i == n - 1 else None)], finished=i == n - 1) for i, t in enumerate(self.ids)]
-
-    async def add_request(self, request_id, prompt, params, output_kind, pooling_params=None, lora_request=None):
-        self.prompts.append(prompt["prompt_token_ids"])
-        queue: asyncio.Queue = asyncio.Queue()
-        for out in self._outputs(request_id, prompt["prompt_token_ids"]):
-            queue.put_nowait(out)
-        return queue
-
-    async def generate(self, prompt, params, request_id, output_kind, pooling_params=None, lora_request=None):
-        self.prompts.append(prompt["prompt_token_ids"])
-        yield RequestOutput(request_id, None, prompt["prompt_token_ids"], [CompletionOutput(
-            0, self.tokenizer.decode(self.ids), list(self.ids), finish_reason="stop")], finished=True)
-
-    async def abort(self, request_id) -> None:
-        pass
-
-    def prompt_text(self, i: int) -> str:
-        return self.tokenizer.decode(self.prompts[i])
+def token_scripted_engine(model_dir, text: str) -> ScriptedEngine:
+    """`text` as the tokenizer's tokens, one output per token."""
+    engine = ScriptedEngine(model_dir, text, max_model_len=4096)
+    assert engine.tokenizer.decode(engine.ids) == text  # the tokenizer round-trips the markers
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -87,25 +52,11 @@ def v31_dir(tmp_path_factory):
     return with_deepseek_tokenizer(make_tiny_model("llama", tmp_path_factory.mktemp("tiny-v31")), V31_TEMPLATE)
 
 
-def serve(engine, options: ServerOptions, body):
-    app = build_app(engine, ["m"], options=options)
-
-    async def main():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http, max_retries=0)
-        try:
-            return await body(client)
-        finally:
-            await http.aclose()
-
-    return asyncio.run(asyncio.wait_for(main(), 120))
-
-
 V4_OPTIONS = ServerOptions(enable_auto_tool_choice=True, tool_call_parser="deepseek_v4", reasoning_parser="deepseek_v4")
 
 
 def test_v4_chat_renders_its_prompt_format_and_parses_reasoning_and_dsml_calls(v4_dir):
-    engine = TokenScriptedEngine(v4_dir, V4_TEXT)
+    engine = token_scripted_engine(v4_dir, V4_TEXT)
 
     async def body(client):
         whole = await client.chat.completions.create(model="m", messages=ASK, tools=TOOLS)
@@ -139,7 +90,7 @@ def test_v4_chat_renders_its_prompt_format_and_parses_reasoning_and_dsml_calls(v
 
 def test_v4_responses_text_parts_render_as_chat_text(v4_dir):
     """input_text / output_text parts (an earlier assistant turn in `input`) render as Chat's text parts do."""
-    engine = TokenScriptedEngine(v4_dir, V4_TEXT)
+    engine = token_scripted_engine(v4_dir, V4_TEXT)
     flat = [{"type": "function", **t["function"]} for t in TOOLS]
     history = [{"role": "user", "content": [{"type": "input_text", "text": "Hi."}, {"type": "input_text", "text": "?"}]},
                {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
@@ -177,7 +128,7 @@ def test_v31_template_decides_the_reasoning(v31_dir, thinking):
     """deepseek_v3: the output is reasoning first only when the template opened it (chat_template_kwargs
     {"thinking": true}); deepseek_v31 tool calls either way."""
     text = V31_TEXT if thinking else V31_TEXT.removeprefix(REASONING + "</think>")
-    engine = TokenScriptedEngine(v31_dir, text)
+    engine = token_scripted_engine(v31_dir, text)
     options = ServerOptions(enable_auto_tool_choice=True, tool_call_parser="deepseek_v31",
                             reasoning_parser="deepseek_v3")
 

@@ -21,14 +21,9 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 from media_server import MediaServer
 from remote_server import RemoteServer
 from tiny_vlm import make_tiny_llava
+from vlm_parity import data_url
 
 CHAT = "/v1/chat/completions"
-
-
-def data_url(image: Image.Image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def image_message(url: str) -> list[dict]:

@@ -7,14 +7,12 @@ import asyncio
 import json
 
 import httpx
-import openai
 import pytest
 
-from surge.engine.args import EngineArgs
-from surge.engine.input_processor import InputProcessor, load_tokenizer
 from surge.entrypoints.openai.app import build_app
 from surge.entrypoints.openai.options import ServerOptions
-from surge.outputs import CompletionOutput, RequestOutput
+
+from scripted_engine import ScriptedEngine, serve
 
 REASONING = "The user wants weather; a tool knows it."
 ARGS = {"city": "Paris", "days": [1, 2]}
@@ -23,35 +21,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-class ScriptedEngine:
+def three_char_engine(model_dir) -> ScriptedEngine:
     """Answers every request with TEXT, cut into pieces of 3 characters, one output each."""
-
-    def __init__(self, model_dir) -> None:
-        self.config = EngineArgs(model_dir, device="cpu", max_model_len=512).create_engine_config()
-        self.tokenizer = load_tokenizer(model_dir)
-        self.input_processor = InputProcessor(self.config, self.tokenizer)
-        self.dead_error, self.is_running = None, True
-        self.prompts: list[list[int]] = []
-
-    def _outputs(self, request_id: str, token_ids: list[int]) -> list[RequestOutput]:
-        pieces = [TEXT[i:i + 3] for i in range(0, len(TEXT), 3)]
-        return [RequestOutput(request_id, None, token_ids, [CompletionOutput(0, p, [7], finish_reason=(
-            "stop" if i == len(pieces) - 1 else None))], finished=i == len(pieces) - 1) for i, p in enumerate(pieces)]
-
-    async def add_request(self, request_id, prompt, params, output_kind, pooling_params=None, lora_request=None):
-        self.prompts.append(prompt["prompt_token_ids"])
-        queue: asyncio.Queue = asyncio.Queue()
-        for out in self._outputs(request_id, prompt["prompt_token_ids"]):
-            queue.put_nowait(out)
-        return queue
-
-    async def generate(self, prompt, params, request_id, output_kind, pooling_params=None, lora_request=None):
-        self.prompts.append(prompt["prompt_token_ids"])
-        yield RequestOutput(request_id, None, prompt["prompt_token_ids"],
-                            [CompletionOutput(0, TEXT, [7] * 10, finish_reason="stop")], finished=True)
-
-    async def abort(self, request_id) -> None:
-        pass
+    return ScriptedEngine(model_dir, TEXT, max_model_len=512, piece_chars=3)
 
 
 @pytest.fixture(scope="module")
@@ -64,19 +36,9 @@ def tools_model_dir(tmp_path_factory, tiny_model_dir):
 
 
 def run_with_client(model_dir, body):
-    engine = ScriptedEngine(model_dir)
+    engine = three_char_engine(model_dir)
     options = ServerOptions(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
-    app = build_app(engine, ["m"], options=options)
-
-    async def main():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http, max_retries=0)
-        try:
-            return await body(client)
-        finally:
-            await http.aclose()
-
-    return asyncio.run(asyncio.wait_for(main(), 60)), engine
+    return serve(engine, options, body, timeout_s=60), engine
 
 
 def test_chat_reasoning_content_and_tool_calls(tools_model_dir):
@@ -128,7 +90,7 @@ def test_responses_reasoning_item_and_function_call(tools_model_dir):
 
 
 def test_auto_tool_choice_needs_the_servers_flags(tiny_model_dir):
-    engine = ScriptedEngine(tiny_model_dir)
+    engine = three_char_engine(tiny_model_dir)
     app = build_app(engine, ["m"])
 
     async def main():
@@ -140,46 +102,21 @@ def test_auto_tool_choice_needs_the_servers_flags(tiny_model_dir):
     assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
 
 
-class TokenScriptedEngine(ScriptedEngine):
-    """TEXT as the tokenizer's own tokens, one output per token: usage can count what was reasoning."""
-
-    def __init__(self, model_dir) -> None:
-        super().__init__(model_dir)
-        self.ids = self.tokenizer.encode(TEXT, add_special_tokens=False)
-
-    def _outputs(self, request_id, token_ids):
-        n = len(self.ids)
-        return [RequestOutput(request_id, None, token_ids, [CompletionOutput(
-            0, self.tokenizer.decode(self.ids[:i + 1]) [len(self.tokenizer.decode(self.ids[:i])):], [t],
-            finish_reason="stop" if i == n - 1 else None)], finished=i == n - 1) for i, t in enumerate(self.ids)]
-
-    async def generate(self, prompt, params, request_id, output_kind, pooling_params=None, lora_request=None):
-        self.prompts.append(prompt["prompt_token_ids"])
-        yield RequestOutput(request_id, None, prompt["prompt_token_ids"],
-                            [CompletionOutput(0, TEXT, list(self.ids), finish_reason="stop")], finished=True)
-
-
 def test_responses_usage_counts_reasoning_tokens(tools_model_dir):
     """output_tokens_details.reasoning_tokens: the tokens up to the closing marker, streamed and not; none without
     a reasoning parser."""
-    engine = TokenScriptedEngine(tools_model_dir)
+    engine = ScriptedEngine(tools_model_dir, TEXT, max_model_len=512)  # the tokenizer's tokens: usage counts them
     reasoning_ids = engine.tokenizer.encode(f"<think>{REASONING}</think>", add_special_tokens=False)
     assert engine.ids[:len(reasoning_ids)] == reasoning_ids and len(engine.ids) > len(reasoning_ids)
 
-    async def main(options):
-        app = build_app(engine, ["m"], options=options)
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http, max_retries=0)
-        try:
-            whole = await client.responses.create(model="m", input=ASK)
-            async with client.responses.stream(model="m", input=ASK) as stream:
-                [e async for e in stream]
-                final = await stream.get_final_response()
-            return whole, final
-        finally:
-            await http.aclose()
+    async def body(client):
+        whole = await client.responses.create(model="m", input=ASK)
+        async with client.responses.stream(model="m", input=ASK) as stream:
+            [e async for e in stream]
+            final = await stream.get_final_response()
+        return whole, final
 
     for options, expected in ((ServerOptions(reasoning_parser="qwen3"), len(reasoning_ids)), (ServerOptions(), 0)):
-        for response in asyncio.run(asyncio.wait_for(main(options), 60)):
+        for response in serve(engine, options, body, timeout_s=60):
             assert response.usage.output_tokens == len(engine.ids)
             assert response.usage.output_tokens_details.reasoning_tokens == expected
