@@ -183,13 +183,13 @@ def test_preset_with_random_quantized_weights():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm: CUDA")
 @pytest.mark.parametrize("weights, activations, block", [("block", "group", (128, 128)), ("channel", "token", None),
                                                          ("tensor", "static", None)])
-@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("rows", [1, 5, 32, 33, 64, 300])
 def test_scaled_mm_path_equals_the_dequantized_one(weights, activations, block, rows):
     """The H200's fp8 GEMM (activation kernels + torch._scaled_mm) against the CPU path's math (dequantized weight,
-    activations quantized and back) on the same layer, bf16: within bf16 rounding of the output. Up to GEMV_ROWS
-    rows the decode GEMV leaves the activations unquantized: the reference then does too."""
+    activations quantized and back) on the same layer, bf16: within bf16 rounding of the output. Up to the weight-only
+    kernels' rows (WEIGHT_ONLY_KERNELS: the GEMV, the weight-only GEMM) activations stay unquantized: the reference's too."""
     from surge.model.layers.linear import Linear
-    from surge.model.quant.fp8 import GEMV_ROWS, Fp8LinearMethod
+    from surge.model.quant.fp8 import WEIGHT_ONLY_KERNELS, Fp8LinearMethod
 
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -207,7 +207,7 @@ def test_scaled_mm_path_equals_the_dequantized_one(weights, activations, block, 
     assert method.scaled_mm_serves(x)
     got = layer(x)
     x_sim = fp8_fake_quant(x, "group" if activations == "group" else "token", getattr(layer, "input_scale", None))
-    if rows <= GEMV_ROWS:
+    if rows <= WEIGHT_ONLY_KERNELS[-1][0]:
         x_sim = x.float()
     reference = torch.nn.functional.linear(x_sim, method.dense_weight(layer).float(), layer.bias.float())
     torch.testing.assert_close(got.float(), reference, atol=2e-2, rtol=2e-2)

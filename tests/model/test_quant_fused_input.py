@@ -120,11 +120,13 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def test_a_decoder_layer_fused_computes_what_it_does_unfused(weights, activations, block, device):
     """A DecoderLayer's norms and MLP wired by fuse_input_quant, against the same layer unwired. CUDA, bf16: the
     fused Triton quantization equals the separate kernels' bit for bit, so the torch._scaled_mm outputs are
-    identical; up to GEMV_ROWS rows (the GEMV reads bf16) and for group scales at row counts not a multiple of 4
+    identical; up to the weight-only kernels' rows (WEIGHT_ONLY_KERNELS: the GEMV and the weight-only GEMM read bf16) and for group scales at row counts not a multiple of 4
     nothing is fused. CPU, float32: the torch reference, fused at every row count."""
     from surge.model.layers.linear import Linear, QKVParallelLinear
     from surge.model.models.llama import MLP, DecoderAttention, DecoderLayer
-    from surge.model.quant.fp8 import GEMV_ROWS, Fp8LinearMethod
+    from surge.model.quant.fp8 import GEMV_ROWS, WEIGHT_ONLY_KERNELS, Fp8LinearMethod
+
+    weight_only_rows = WEIGHT_ONLY_KERNELS[-1][0]
 
     class Attention(torch.nn.Module):  # DecoderAttention's qkv projection, without the attention kernel
         input_linear = DecoderAttention.input_linear
@@ -150,8 +152,9 @@ def test_a_decoder_layer_fused_computes_what_it_does_unfused(weights, activation
         layer.post_attention_layernorm.weight.normal_()
     layer.fuse_input_quant()
     layer.mlp.fuse_input_quant()
-    for rows in (1, GEMV_ROWS, GEMV_ROWS + 1, 8, 64, 301):
+    # x holds 2 x rows rows: the boundaries of the weight-only kernels, both sides.
+    for rows in (1, GEMV_ROWS // 2, GEMV_ROWS // 2 + 1, weight_only_rows // 2, weight_only_rows // 2 + 1, 64, 301):
         x, residual = torch.randn(2, rows, 512, device=device, dtype=dtype)
-        wanted = device == "cpu" or rows > GEMV_ROWS and not (activations == "group" and rows % 4)
+        wanted = device == "cpu" or 2 * rows > weight_only_rows and not (activations == "group" and 2 * rows % 4)
         assert layer.input_layernorm.output_quant.wanted(x) == wanted
         _check_layer_fused_equals_unfused(layer, x, residual, exact=True)
