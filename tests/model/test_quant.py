@@ -263,9 +263,14 @@ def test_fp8_cuda_path_picks_its_kernel_by_rows(monkeypatch, activations, block)
     monkeypatch.setitem(sys.modules, "surge.kernels.gemv", types.SimpleNamespace(fp8_gemv=weight_only("gemv")))
     monkeypatch.setitem(sys.modules, "surge.kernels.fp8_wo_gemm",
                         types.SimpleNamespace(fp8_wo_gemm=weight_only("wo_gemm")))
-    monkeypatch.setitem(sys.modules, "surge.kernels.fp8_quant", types.SimpleNamespace(
+    fake_quant = types.SimpleNamespace(
         per_token_group_quant_fp8=quantize("quant group"), scaled_fp8_quant_per_tensor=quantize("quant static"),
-        scaled_fp8_quant_per_token=quantize("quant token")))
+        scaled_fp8_quant_per_token=quantize("quant token"))
+    # `from surge.kernels import fp8_quant` reads the package's attribute once an earlier test imported the module:
+    # both places get the fake (alone the test passed, in the suite it saw the real module).
+    import surge.kernels
+    monkeypatch.setitem(sys.modules, "surge.kernels.fp8_quant", fake_quant)
+    monkeypatch.setattr(surge.kernels, "fp8_quant", fake_quant, raising=False)
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     method = Fp8LinearMethod("block" if block else "channel", activations, block)
     layer = Linear(256, 128, bias=False)
