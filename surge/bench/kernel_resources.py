@@ -84,12 +84,18 @@ def attention_resources(key, arch: int) -> Resources:
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     compiled = triton.compile(ASTSource(_paged_attention_kernel, signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32), options=options)
+    registers, spill = cubin_registers_and_spill(compiled)
+    return Resources(registers, spill, compiled.metadata.shared, 32 * options["num_warps"])
+
+
+def cubin_registers_and_spill(compiled) -> tuple[int, int]:
+    """Registers per thread and spilled bytes of a kernel triton.compile built, as cuobjdump reads its cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         out = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     registers, spill, _ = parse_resource_usage(out)
-    return Resources(registers, spill, compiled.metadata.shared, 32 * options["num_warps"])
+    return registers, spill
 
 
 def _runtime_strides(key) -> dict[str, int]:

@@ -292,13 +292,11 @@ def compile_launch(kernel, values: dict, options: dict, arch: int = 90) -> Compi
     known 16-divisible, do_not_specialize arguments not), with Triton's own ptxas; read back its resources."""
     import os
     import re
-    import subprocess
-    import tempfile
 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from surge.bench.kernel_resources import _cuobjdump, parse_resource_usage
+    from surge.bench.kernel_resources import cubin_registers_and_spill
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_launch compiles for the GPU: run it without TRITON_INTERPRET=1")
@@ -315,11 +313,7 @@ def compile_launch(kernel, values: dict, options: dict, arch: int = 90) -> Compi
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    registers, spill, _ = parse_resource_usage(usage)
+    registers, spill = cubin_registers_and_spill(compiled)
     ptx = compiled.asm["ptx"]
     vector = len(re.findall(r"st\.global[.\w:]*\.v4", ptx))
     return Compiled(registers, spill, compiled.metadata.shared, vector, len(re.findall(r"st\.global", ptx)) - vector)

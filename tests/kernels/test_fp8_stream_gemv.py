@@ -9,17 +9,7 @@ import torch
 from surge.kernels.gemv import (H200_SMS, IN_FLIGHT_BYTES, MAX_ROWS, GemvLaunch, StreamLaunch, fp8_gemv,
                                 stream_policy)
 from surge.kernels.quant_reference import dequantize_fp8
-
-
-def _weight(n: int, k: int, block: bool, device):
-    g = torch.Generator().manual_seed(n * 1000 + k)
-    w = (torch.randn(n, k, generator=g) * 0.05).clamp(-0.4, 0.4)
-    if block:
-        scale = torch.rand(-(-n // 128), -(-k // 128), generator=g) * 0.01 + 0.001
-        expanded = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
-    else:
-        scale = expanded = torch.rand(n, 1, generator=g) * 0.01 + 0.001
-    return (w / expanded).clamp(-448, 448).to(torch.float8_e4m3fn).to(device), scale.to(device)
+from test_gemv import _weight  # fp8 weights and scales, per row or in 128 x 128 blocks
 
 
 def _reference(x, q, scale, bias, block):
